@@ -1,0 +1,170 @@
+"""The search space as a MultiDiscrete action vector, with masks for illegal values.
+
+An action is an int array of length ``len(space.components)``::
+
+    [tp_idx, ep_idx, pp_idx, sp_idx, batch_idx, op_choice_0, ..., op_choice_{L-1}]
+
+Degree components index into candidate lists (``space.values[name]``); op components are
+the choice index 0/1/2 of :mod:`shardc.ir.strategy`. dp is derived:
+``dp = mesh.gpus / (tp * ep * pp)``, and an action whose product does not divide the mesh is
+invalid (``space.degrees_valid``). Per-op masks depend on the tp degree only
+(``space.op_masks``): e.g. splitting attention by heads needs tp | heads. Everything else
+(memory, SLOs, batch divisibility) is the cost model's verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardc.ir.graph import FUSED_OP_NAMES, Graph
+from shardc.ir.strategy import (
+    GLOBAL_OPS,
+    NUM_CHOICES,
+    Degrees,
+    Mesh,
+    Strategy,
+    Workload,
+)
+
+DEGREE_COMPONENTS = ("tp", "ep", "pp", "sp", "batch")
+MAX_TP = 64
+MAX_PP = 64
+DECODE_BATCHES = tuple(2**i for i in range(0, 13))  # 1 .. 4096 sequences per replica
+PREFILL_BATCHES = tuple(2**i for i in range(0, 9))  # 1 .. 256 prompts per replica
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class StrategySpace:
+    graph: Graph
+    mesh: Mesh
+    workload: Workload
+    values: dict[str, list[int]] = field(default_factory=dict)
+    op_slots: list[str] = field(default_factory=list)  # "kind.op" or global "op"
+    _op_mask_by_tp: np.ndarray | None = None  # [n_tp, n_slots, 3]
+
+    def __post_init__(self):
+        g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
+        hidden = int(cfg.get("hidden", 0)) or 1
+        experts = int(cfg.get("num_experts", 0) or 0)
+        tp = [d for d in _divisors(world) if d <= MAX_TP and hidden % d == 0]
+        ep = [d for d in _divisors(world) if experts and experts % d == 0] or [1]
+        pp = [d for d in _divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
+        sp = [0, 1] if self.workload.phase == "prefill" else [0]
+        if self.workload.batch is not None:
+            batch = [int(self.workload.batch)]
+        else:
+            batch = list(DECODE_BATCHES if self.workload.phase == "decode" else PREFILL_BATCHES)
+        self.values = {"tp": tp, "ep": ep, "pp": pp, "sp": sp, "batch": batch}
+        slots = []
+        for kind in g.layer_kinds:
+            for name in FUSED_OP_NAMES:
+                if kind.op(name) is not None:
+                    slots.append(f"{kind.name}.{name}")
+        for name in GLOBAL_OPS:
+            if g.global_op(name) is not None:
+                slots.append(name)
+        self.op_slots = slots
+        self._op_mask_by_tp = np.stack([self._op_mask_for_tp(t) for t in tp])
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def components(self) -> list[str]:
+        return list(DEGREE_COMPONENTS) + self.op_slots
+
+    @property
+    def nvec(self) -> np.ndarray:
+        deg = [len(self.values[c]) for c in DEGREE_COMPONENTS]
+        return np.array(deg + [NUM_CHOICES] * len(self.op_slots), dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        """Number of joint configurations (before masking), as a Python int."""
+        n = 1
+        for v in self.nvec:
+            n *= int(v)
+        return n
+
+    def _fused(self, slot: str):
+        if "." in slot:
+            kind, op = slot.split(".", 1)
+            return self.graph.layer_kind(kind).op(op), op
+        return self.graph.global_op(slot), slot
+
+    def _op_mask_for_tp(self, tp: int) -> np.ndarray:
+        """[n_slots, 3] legal choices at tensor-parallel degree ``tp``."""
+        cfg = self.graph.config
+        heads = int(cfg.get("heads", 1) or 1)
+        mask = np.ones((len(self.op_slots), NUM_CHOICES), dtype=bool)
+        for i, slot in enumerate(self.op_slots):
+            fop, op = self._fused(slot)
+            if op == "attn_core":
+                mask[i, 0] = heads % tp == 0
+            elif op in ("qkv",):
+                mask[i, 0] = heads % tp == 0
+                mask[i, 1] = fop.in_features % tp == 0
+            elif op == "out_proj":
+                mask[i, 0] = fop.out_features % tp == 0
+                mask[i, 1] = heads % tp == 0
+            elif op == "embedding":
+                mask[i, 0] = fop.in_features % tp == 0  # vocab
+                mask[i, 1] = fop.out_features % tp == 0  # hidden
+            else:  # linear-like: col shards out_features, row shards in_features
+                mask[i, 0] = fop.out_features % tp == 0
+                mask[i, 1] = fop.in_features % tp == 0
+        return mask
+
+    # ---------------------------------------------------------------- vectorised
+    def degree_arrays(self, actions: np.ndarray) -> dict[str, np.ndarray]:
+        """Degree values for a batch of actions [B, A] -> {tp, ep, pp, sp, dp, batch}: [B]."""
+        a = np.atleast_2d(actions)
+        out = {}
+        for j, c in enumerate(DEGREE_COMPONENTS):
+            out[c] = np.asarray(self.values[c], dtype=np.int64)[a[:, j]]
+        out["sp"] = np.where(out["sp"] > 0, out["tp"], 1)
+        replica = out["tp"] * out["ep"] * out["pp"]
+        out["dp"] = np.where(self.mesh.gpus % replica == 0, self.mesh.gpus // replica, 0)
+        return out
+
+    def degrees_valid(self, actions: np.ndarray) -> np.ndarray:
+        """[B] bool: the degrees tile the mesh exactly (dp integral)."""
+        return self.degree_arrays(actions)["dp"] > 0
+
+    def op_masks(self, tp_idx: np.ndarray) -> np.ndarray:
+        """[B, n_slots, 3] legal op choices given each action's tp index."""
+        return self._op_mask_by_tp[np.asarray(tp_idx, dtype=np.int64)]
+
+    def actions_legal(self, actions: np.ndarray) -> np.ndarray:
+        """[B] bool: degrees tile the mesh and every op choice is unmasked."""
+        a = np.atleast_2d(actions)
+        m = self.op_masks(a[:, 0])
+        ops = a[:, len(DEGREE_COMPONENTS):]
+        ok_ops = np.take_along_axis(m, ops[:, :, None], axis=2)[:, :, 0].all(axis=1)
+        return ok_ops & self.degrees_valid(a)
+
+    # ------------------------------------------------------------ encode / decode
+    def decode(self, action) -> Strategy:
+        a = np.asarray(action, dtype=np.int64).reshape(-1)
+        d = {k: int(v[0]) for k, v in self.degree_arrays(a[None, :]).items()}
+        if d["dp"] == 0:
+            raise ValueError(f"degrees tp={d['tp']} ep={d['ep']} pp={d['pp']} do not tile {self.mesh}")
+        degrees = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d["sp"])
+        choices = {s: int(c) for s, c in zip(self.op_slots, a[len(DEGREE_COMPONENTS):])}
+        return Strategy(degrees=degrees, batch=d["batch"], choices=choices)
+
+    def encode(self, strategy: Strategy) -> np.ndarray:
+        deg = strategy.degrees
+        want = {"tp": deg.tp, "ep": deg.ep, "pp": deg.pp, "sp": 1 if deg.sp > 1 else 0,
+                "batch": strategy.batch}
+        out = []
+        for c in DEGREE_COMPONENTS:
+            if want[c] not in self.values[c]:
+                raise ValueError(f"{c}={want[c]} is not a candidate ({self.values[c]})")
+            out.append(self.values[c].index(want[c]))
+        out += [int(strategy.choices[s]) for s in self.op_slots]
+        return np.array(out, dtype=np.int64)
