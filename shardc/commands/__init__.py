@@ -1,0 +1,1 @@
+"""Sub-commands of the shardc CLI: each module has HELP, add_arguments(parser), run(args)."""
