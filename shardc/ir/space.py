@@ -168,3 +168,24 @@ class StrategySpace:
             out.append(self.values[c].index(want[c]))
         out += [int(strategy.choices[s]) for s in self.op_slots]
         return np.array(out, dtype=np.int64)
+
+
+# Megatron-LM's fixed per-op dims (SPEC section 7): column-parallel qkv / ffn1, row-parallel
+# out_proj / ffn2, attention split by heads, vocab-parallel embedding, column-parallel
+# (vocab-split) lm_head, router replicated, experts split by EP with Megatron dims inside.
+MEGATRON_CHOICE = {
+    "embedding": 0, "qkv": 0, "attn_core": 0, "out_proj": 1, "ffn1": 0, "ffn2": 1,
+    "router": 2, "expert_ffn1": 0, "expert_ffn2": 1, "shared_ffn1": 0, "shared_ffn2": 1,
+    "lm_head": 0,
+}
+
+
+def megatron_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
+    """[n_slots] Megatron's choice per op slot at candidate ``tp_idx``; where Megatron's dim
+    is illegal at that tp (e.g. tp does not divide the heads) the op is replicated."""
+    mask = space.op_masks(np.array([tp_idx]))[0]
+    out = np.empty(len(space.op_slots), dtype=np.int64)
+    for i, slot in enumerate(space.op_slots):
+        c = MEGATRON_CHOICE[slot.split(".")[-1]]
+        out[i] = c if mask[i, c] else 2
+    return out
