@@ -1,0 +1,146 @@
+"""Load a model description: a ``.py`` model file (SPEC section 5) or an HF ``config.json``.
+
+A model file defines ``build_model() -> nn.Module`` and ``example_inputs() -> tuple`` and
+optionally ``tiny_model()`` / ``tiny_inputs()``. It is imported by path under a private
+module name; its directory is put on ``sys.path`` so that sibling helpers (e.g.
+``examples/gpt_moe.py``) import. A ``config.json`` is built with
+``AutoModelForCausalLM.from_config`` on the ``meta`` device in bfloat16 (sdpa attention,
+``grouped_mm`` experts). Every failure is an :class:`InputError` with one line that names
+the file (and, when the model itself raises, the model's message and file:line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shardc.errors import InputError
+
+
+@dataclass
+class ModelSource:
+    """What a model file provides. ``build_model`` / ``tiny_model`` return an ``nn.Module``."""
+
+    name: str
+    source: str
+    build_model: Callable[[], torch.nn.Module]
+    example_inputs: Callable[[], tuple]
+    tiny_model: Callable[[], torch.nn.Module] | None = None
+    tiny_inputs: Callable[[], tuple] | None = None
+
+    def build(self, tiny: bool = False) -> tuple[torch.nn.Module, tuple]:
+        """Build (model, example inputs); ``tiny`` uses ``tiny_model`` when the file has one.
+        Exceptions raised by the model's own code become one-line :class:`InputError`."""
+        make = self.tiny_model if tiny and self.tiny_model is not None else self.build_model
+        inputs = self.tiny_inputs if tiny and self.tiny_inputs is not None else self.example_inputs
+        model = _call_user(make, self.source, "building the model")
+        args = _call_user(inputs, self.source, "making example inputs")
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"{self.source}: {make.__name__}() returned "
+                             f"{type(model).__name__}, expected a torch.nn.Module")
+        if isinstance(args, torch.Tensor):
+            args = (args,)
+        if not isinstance(args, (tuple, list)) or not all(isinstance(a, torch.Tensor) for a in args):
+            raise InputError(f"{self.source}: example inputs must be a tuple of tensors")
+        return model, tuple(args)
+
+
+def _where(exc: BaseException) -> str:
+    """file:line of the innermost frame of the exception (the model's own code)."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    if not tb:
+        return "?"
+    return f"{tb[-1].filename}:{tb[-1].lineno}"
+
+
+def _call_user(fn: Callable, source: str, what: str):
+    try:
+        return fn()
+    except InputError:
+        raise
+    except Exception as e:  # the model's own error: one line with its message and location
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"{source}: {what} failed: {type(e).__name__}: {msg} "
+                         f"(at {_where(e)})") from e
+
+
+def load_model_file(path: str | Path) -> ModelSource:
+    """Load a ``.py`` model file or an HF ``config.json`` into a :class:`ModelSource`."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{path}: no such file")
+    if not p.is_file():
+        raise InputError(f"{path}: not a file")
+    if p.suffix == ".py":
+        return _load_python(p)
+    if p.suffix == ".json":
+        return _load_hf_config(p)
+    raise InputError(f"{path}: unsupported model file (expected .py, .onnx or config.json)")
+
+
+def _load_python(p: Path) -> ModelSource:
+    digest = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:10]
+    mod_name = f"shardc_model_{p.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{p}: cannot import as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(p.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise InputError(f"{p}:{e.lineno}: syntax error: {e.msg}") from e
+    except Exception as e:
+        raise InputError(f"{p}: importing failed: {type(e).__name__}: {e} (at {_where(e)})") from e
+    sys.modules[mod_name] = module
+    for required in ("build_model", "example_inputs"):
+        if not callable(getattr(module, required, None)):
+            raise InputError(f"{p}: defines no {required}() (a model file needs build_model() "
+                             "and example_inputs())")
+    return ModelSource(
+        name=p.stem,
+        source=str(p),
+        build_model=module.build_model,
+        example_inputs=module.example_inputs,
+        tiny_model=getattr(module, "tiny_model", None),
+        tiny_inputs=getattr(module, "tiny_inputs", None),
+    )
+
+
+def _load_hf_config(p: Path) -> ModelSource:
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{p}: not a readable JSON file: {e}") from e
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise InputError(f"{p}: not an HF config.json (no 'model_type' key)")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(**data)
+    except Exception as e:
+        raise InputError(f"{p}: HF cannot read this config: {type(e).__name__}: {e}") from e
+
+    def build_model() -> torch.nn.Module:
+        from shardc.frontends.hf_build import build_causal_lm
+
+        return build_causal_lm(config)
+
+    def example_inputs() -> tuple:
+        g = torch.Generator().manual_seed(0)
+        vocab = int(getattr(config, "vocab_size", 32000) or 32000)
+        return (torch.randint(0, vocab, (1, 16), generator=g, dtype=torch.int64),)
+
+    name = data.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
+    return ModelSource(name=Path(str(name)).name or p.stem, source=str(p),
+                       build_model=build_model, example_inputs=example_inputs)
