@@ -1,0 +1,80 @@
+"""The library entry: ``shardc.compile`` (trace -> passes -> search -> annotate -> plan).
+
+>>> plan = shardc.compile("examples/tiny_llama.py", mesh="8x1", search="megatron")
+>>> plan.summary(); plan.save("plan.json"); src = plan.code()
+
+``model`` may be a path (``.py`` model file, ``.onnx``, HF ``config.json``), an
+``nn.Module`` (with ``example_inputs``), or an already-built :class:`shardc.ir.Graph`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from shardc.cost import load_hardware
+from shardc.errors import InputError
+from shardc.ir.graph import Graph
+from shardc.ir.strategy import Mesh, Workload
+
+SEARCH_POLICIES = ("rl", "megatron", "sa", "rw", "ga", "exact")
+
+
+def load_model_graph(model, example_inputs=None, name: str | None = None) -> Graph:
+    """Frontend + canonicalise/fuse/layer passes for any accepted model form."""
+    if isinstance(model, Graph):
+        return model
+    if isinstance(model, (str, Path)):
+        from shardc.frontends import load_graph
+
+        return load_graph(str(model))
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        if example_inputs is None:
+            raise InputError("compile(model=nn.Module) needs example_inputs")
+        from shardc.frontends import graph_from_module
+
+        return graph_from_module(model, tuple(example_inputs), name=name or type(model).__name__)
+    raise InputError(f"cannot compile a {type(model).__name__}: give a path, nn.Module or Graph")
+
+
+def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
+            workload: Workload | None = None, search: str = "rl", budget: int = 4000,
+            seed: int = 0, progress=None, name: str | None = None):
+    """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
+
+    Raises InputError (bad input) or InfeasibleError (nothing fits; says what is short).
+    """
+    from shardc.passes.search_pass import search_pass
+    from shardc.plan import build_plan
+
+    if search not in SEARCH_POLICIES:
+        raise InputError(f"--search {search!r}: expected one of {', '.join(SEARCH_POLICIES)}")
+    if int(budget) < 1:
+        raise InputError("--budget must be a positive number of evaluations")
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+    workload = workload or Workload()
+    hw = load_hardware(hardware)
+    graph = load_model_graph(model, example_inputs, name)
+    t0 = time.perf_counter()
+    outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
+                          seed=int(seed), progress=progress)
+    wall_s = time.perf_counter() - t0
+    explanation = outcome.cost_model.explain(outcome.strategy)
+    mega = outcome.megatron
+    baseline = {"megatron": {
+        "degrees": (outcome.space.decode(mega.best_action).degrees.as_dict()
+                    if mega.best_action is not None else None),
+        "tok_s_per_gpu": float(mega.best_value) if mega.best_action is not None else None,
+    }}
+    search_info = {
+        "policy": search, "budget": int(budget), "evaluations": int(outcome.result.evaluations),
+        "seed": int(seed), "wall_s": round(wall_s, 3),
+        "best_curve": [[int(e), float(v)] for e, v in outcome.result.curve],
+    }
+    plan = build_plan(graph=outcome.graph, strategy=outcome.strategy, mesh=mesh,
+                      hardware=hw.name, workload=workload, predicted=explanation.predicted,
+                      baseline=baseline, search=search_info)
+    plan._outcome = outcome  # kept for the report files (trace.json, search.png); not saved
+    return plan

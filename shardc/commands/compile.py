@@ -1,0 +1,119 @@
+"""``shardc compile MODEL --mesh GxN``: trace, search, annotate, emit (SPEC section 3)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+from shardc.errors import InputError
+from shardc.ir.strategy import Workload
+
+HELP = "Search the sharding of MODEL for a GPU mesh and emit plan.json + DTensor code."
+
+
+def add_workload_arguments(p) -> None:
+    """Flags shared by compile, simulate and bench-like commands (SPEC section 3 defaults)."""
+    p.add_argument("--hardware", default="h100", help="h100|h200|b200 or a TOML file")
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--context", type=int, default=4096, help="KV length per decode step (tokens)")
+    p.add_argument("--prompt", type=int, default=2048, help="prompt length for prefill (tokens)")
+    p.add_argument("--batch", default="auto", help="sequences per model replica, or auto")
+    p.add_argument("--tpot-slo", type=float, default=50.0, help="time per output token SLO (ms)")
+    p.add_argument("--ttft-slo", type=float, default=2000.0, help="time to first token SLO (ms)")
+
+
+def workload_from_args(args) -> Workload:
+    batch = None
+    if str(args.batch) != "auto":
+        try:
+            batch = int(args.batch)
+        except ValueError:
+            raise InputError(f"--batch {args.batch!r}: expected a positive integer or auto") from None
+    return Workload(phase=args.phase, batch=batch, context=args.context, prompt=args.prompt,
+                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="model file (.py), .onnx, or HF config.json")
+    p.add_argument("--mesh", required=True, help="GxN: N nodes of G GPUs, e.g. 8x128")
+    add_workload_arguments(p)
+    p.add_argument("--search", default="rl", choices=["rl", "megatron", "sa", "rw", "ga", "exact"])
+    p.add_argument("--budget", type=int, default=4000, help="simulator evaluations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default ./shardc_out/<model>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _progress_bar(budget: int, quiet: bool):
+    if quiet or not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=budget, desc="search", unit="eval", leave=False, file=sys.stderr)
+
+    def update(evals: int, best: float) -> None:
+        bar.n = min(int(evals), budget)
+        bar.set_postfix_str(f"best {best:.1f} tok/s/GPU")
+        bar.refresh()
+
+    return update, bar
+
+
+def summary_table(plan) -> str:
+    """The short table printed after compile (SPEC section 3)."""
+    d = plan.degrees
+    pred = plan.predicted
+    mega = (plan.baseline or {}).get("megatron") or {}
+    ratio = ""
+    if mega.get("tok_s_per_gpu"):
+        ratio = f"{pred['tok_s_per_gpu'] / mega['tok_s_per_gpu']:.3f}x"
+    deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
+    rows = [
+        ["degrees", f"{deg} batch={plan.workload['batch']}"],
+        ["predicted tok/s/GPU", f"{pred['tok_s_per_gpu']:.1f}"],
+        ["TPOT (ms)", f"{pred['tpot_ms']:.2f}"],
+        ["TTFT (ms)", f"{pred['ttft_ms']:.1f}" if pred.get("ttft_ms") is not None else "-"],
+        ["memory/GPU (GB)", f"{pred['memory_gb_per_gpu']:.1f}"],
+        ["vs Megatron heuristic", ratio or "-"],
+    ]
+    return tabulate(rows, tablefmt="simple")
+
+
+def run(args) -> int:
+    import shardc.api as api
+    from shardc.backends.reports import graph_dot, graph_table, write_outputs
+
+    model_path = Path(args.model)
+    workload = workload_from_args(args)
+    progress, bar = _progress_bar(args.budget, args.quiet)
+    try:
+        plan = api.compile(str(model_path), mesh=args.mesh, hardware=args.hardware,
+                           workload=workload, search=args.search, budget=args.budget,
+                           seed=args.seed, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    out = Path(args.out) if args.out else Path("shardc_out") / plan.model["name"]
+    outcome = plan._outcome
+    files = {
+        "plan.json": plan.to_dict(),
+        "parallelize.py": plan.code(),
+        "graph.txt": graph_table(plan.nodes),
+        "graph.dot": graph_dot(outcome.graph),
+        "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
+        "search.png": lambda p: _plot(p, outcome),
+    }
+    written = write_outputs(out, files)
+    print(summary_table(plan))
+    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    return 0
+
+
+def _plot(path, outcome) -> None:
+    from shardc.search import plot_search_curve
+
+    curves = {outcome.result.policy: outcome.result.curve}
+    plot_search_curve(path, curves, megatron=outcome.megatron.best_value,
+                      exact=outcome.exact_value)

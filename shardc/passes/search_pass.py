@@ -1,0 +1,76 @@
+"""The search pass: IR -> IR with the chosen strategy annotated on every node.
+
+Given the layer kinds and fused ops of a graph, a mesh, a hardware preset and a workload, it
+builds the strategy space (:class:`shardc.ir.space.StrategySpace`), the cost model
+(:class:`shardc.cost.CostModel`) and asks a searcher (:func:`shardc.search.run_search`) for
+the strategy maximising predicted tokens/s/GPU under the SLOs and HBM. It always runs the
+Megatron heuristic too (same cost model, same run) as the baseline the result is compared to.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardc.cost import CostModel, min_gpus_needed
+from shardc.errors import InfeasibleError
+from shardc.ir.graph import Graph
+from shardc.ir.space import StrategySpace
+from shardc.ir.strategy import Mesh, Strategy, Workload
+from shardc.passes.annotate import annotate
+from shardc.search import SearchResult, run_search
+
+
+@dataclass
+class SearchOutcome:
+    """Everything the compile step reports about the search."""
+
+    graph: Graph  # annotated
+    strategy: Strategy
+    space: StrategySpace
+    cost_model: CostModel
+    result: SearchResult
+    megatron: SearchResult
+    exact_value: float | None = None
+
+
+def _objective(cost_model: CostModel, space: StrategySpace):
+    def objective(actions: np.ndarray):
+        ev = cost_model.evaluate(actions, space)
+        return ev.tok_s_per_gpu, ev.feasible
+
+    return objective
+
+
+def _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed) -> str:
+    """Say what is short: GPUs for weights + KV cache first, else the commonest reason."""
+    need = min_gpus_needed(graph, workload, hardware)
+    if need > mesh.gpus:
+        return (f"needs >= {need} GPUs to hold weights + KV cache; mesh has {mesh.gpus}")
+    rng = np.random.default_rng(seed)
+    actions = np.stack([rng.integers(0, n, size=2048) for n in space.nvec], axis=1)
+    ev = cost_model.evaluate(actions, space)
+    reasons = Counter(cost_model.reason_text(int(r)) for r in ev.reason[~ev.feasible])
+    top = reasons.most_common(1)[0][0] if reasons else "no strategy is feasible"
+    return f"no feasible plan on mesh {mesh} ({hardware.name}): {top}"
+
+
+def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
+                budget: int = 4000, seed: int = 0, progress=None) -> SearchOutcome:
+    """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits."""
+    space = StrategySpace(graph, mesh, workload)
+    cost_model = CostModel(graph, mesh, hardware, workload)
+    objective = _objective(cost_model, space)
+    megatron = run_search("megatron", space, objective, budget=budget, seed=seed)
+    if policy == "megatron":
+        result = megatron
+    else:
+        result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
+    if result.best_action is None or not np.isfinite(result.best_value):
+        raise InfeasibleError(
+            _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed))
+    strategy = space.decode(result.best_action)
+    annotated = annotate(graph, strategy)
+    return SearchOutcome(annotated, strategy, space, cost_model, result, megatron)
