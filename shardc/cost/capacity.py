@@ -1,0 +1,35 @@
+"""Lower bound on the GPUs needed to hold a model's weights and KV cache."""
+
+from __future__ import annotations
+
+import math
+
+from shardc.cost.hardware_presets import Hardware, load_hardware
+from shardc.ir.graph import Graph
+from shardc.ir.strategy import Workload
+
+
+def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | None = None
+                        ) -> tuple[float, float]:
+    """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
+    phase's cache length: context in decode, prompt in prefill)."""
+    db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
+    params = sum(o.params for o in graph.global_ops)
+    kv_per_token = 0.0
+    for k in graph.layer_kinds:
+        params += k.count * (sum(o.params for o in k.ops)
+                             + int((getattr(k, "attrs", None) or {}).get("other_params", 0) or 0))
+        core = k.op("attn_core")
+        if core is not None:
+            kv_per_token += k.count * float(core.attrs.get("kv_cache_elems_per_token", 0))
+    length = workload.context if workload.phase == "decode" else workload.prompt
+    seqs = workload.batch or 1
+    return params * db, seqs * length * kv_per_token * db
+
+
+def min_gpus_needed(graph: Graph, workload: Workload, hardware: Hardware | str) -> int:
+    """Smallest GPU count whose usable HBM (capacity - headroom - workspace) could hold all
+    weights plus the KV cache, assuming perfect sharding (a lower bound)."""
+    hw = load_hardware(hardware)
+    w, kv = weight_and_kv_bytes(graph, workload)
+    return max(1, math.ceil((w + kv) / hw.usable_hbm_bytes))

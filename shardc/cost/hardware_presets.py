@@ -1,0 +1,152 @@
+"""Hardware presets: data files ``shardc/cost/hardware/<name>.toml`` -> :class:`Hardware`.
+
+``load_hardware("h100")`` reads a preset; ``load_hardware("my.toml")`` reads a user file that
+may name a preset to start from (``base = "h100"``) and override any field of it. Unknown
+keys, missing fields, non-numbers and unreadable files raise :class:`InputError`.
+Units are part of the field names (``_tflops`` = 1e12 FLOP/s, ``_gb_s`` = 1e9 bytes/s,
+``_tb_s`` = 1e12 bytes/s, ``_gb`` = 1e9 bytes, ``_us`` = microseconds); ``*_eff`` are the
+achieved fractions of the corresponding peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import tomllib
+
+from shardc.errors import InputError
+
+PRESET_DIR = Path(__file__).with_name("hardware")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU type and its interconnect; see the preset files for the meaning of each field."""
+
+    name: str
+    peak_bf16_tflops: float
+    peak_fp8_tflops: float
+    hbm_gb: float
+    hbm_tb_s: float
+    nvlink_gb_s: float
+    nvlink_domain: int
+    nic_gb_s: float
+    gemm_eff: float
+    attention_eff: float
+    hbm_eff: float
+    nvlink_eff: float
+    nic_eff: float
+    gemm_m_half: float
+    gemm_nk_half: float
+    hbm_bytes_half: float
+    collective_base_us: float
+    nvlink_hop_us: float
+    net_hop_us: float
+    a2a_peer_us: float
+    kernel_overhead_us: float
+    headroom: float
+    workspace_gb: float
+    description: str = ""
+
+    # ---- derived, in SI units ------------------------------------------------------
+    def peak_flops(self, fp8: bool = False) -> float:
+        """Dense peak FLOP/s (fp8 or bf16)."""
+        return (self.peak_fp8_tflops if fp8 else self.peak_bf16_tflops) * 1e12
+
+    @property
+    def hbm_bytes_s(self) -> float:
+        return self.hbm_tb_s * 1e12
+
+    @property
+    def nvlink_bytes_s(self) -> float:
+        """Achieved NVLink bandwidth per GPU per direction, bytes/s."""
+        return self.nvlink_gb_s * 1e9 * self.nvlink_eff
+
+    @property
+    def nic_bytes_s(self) -> float:
+        """Achieved scale-out bandwidth per GPU, bytes/s."""
+        return self.nic_gb_s * 1e9 * self.nic_eff
+
+    @property
+    def usable_hbm_bytes(self) -> float:
+        """HBM a plan may fill: capacity minus headroom fraction minus fixed workspace."""
+        return self.hbm_gb * 1e9 * (1.0 - self.headroom) - self.workspace_gb * 1e9
+
+    def scaled(self, **factors: float) -> Hardware:
+        """A copy with fields multiplied by the given factors (used by tests/what-ifs)."""
+        return replace(self, **{k: getattr(self, k) * v for k, v in factors.items()})
+
+
+_FIELDS = {f.name: f for f in fields(Hardware)}
+_REQUIRED = [f.name for f in fields(Hardware) if f.name not in ("description",)]
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as e:
+        raise InputError(f"--hardware {path}: cannot read ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"--hardware {path}: malformed TOML ({e})") from None
+
+
+def _resolve(spec: str, seen: tuple[str, ...] = ()) -> dict:
+    """Merged raw dict for a preset name or file path, following ``base`` chains."""
+    if spec in seen:
+        raise InputError(f"--hardware: 'base' chain loops through {spec!r}")
+    p = Path(spec)
+    if p.suffix == ".toml" or p.exists():
+        path, label = p, str(p)
+    elif (PRESET_DIR / f"{spec}.toml").exists():
+        path, label = PRESET_DIR / f"{spec}.toml", spec
+    else:
+        raise InputError(f"--hardware {spec!r}: expected one of {', '.join(preset_names())} "
+                         "or a .toml file")
+    raw = _read_toml(path)
+    base = raw.pop("base", None)
+    merged: dict = {}
+    if base is not None:
+        if not isinstance(base, str):
+            raise InputError(f"--hardware {label}: 'base' must be a preset name")
+        merged = _resolve(base, seen + (spec,))
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise InputError(f"--hardware {label}: unknown field(s) {', '.join(unknown)}")
+    merged.update(raw)
+    merged.setdefault("name", p.stem if p.suffix == ".toml" else spec)
+    return merged
+
+
+def load_hardware(name_or_path: str | Hardware) -> Hardware:
+    """A :class:`Hardware` from a preset name (``h100``, ``h200``, ``b200``) or a TOML file."""
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    raw = _resolve(str(name_or_path))
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise InputError(f"--hardware {name_or_path}: missing field(s) {', '.join(missing)} "
+                         "(set base = \"h100\" to start from a preset)")
+    kw = {}
+    for k, v in raw.items():
+        if k in ("name", "description"):
+            kw[k] = str(v)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InputError(f"--hardware {name_or_path}: {k} = {v!r} is not a number")
+        if v < 0 or (v == 0 and k not in ("headroom", "workspace_gb", "a2a_peer_us",
+                                          "kernel_overhead_us", "collective_base_us",
+                                          "nvlink_hop_us", "net_hop_us")):
+            raise InputError(f"--hardware {name_or_path}: {k} = {v} must be positive")
+        kw[k] = int(v) if k == "nvlink_domain" else float(v)
+    for k in ("gemm_eff", "attention_eff", "hbm_eff", "nvlink_eff", "nic_eff"):
+        if kw[k] > 1.0:
+            raise InputError(f"--hardware {name_or_path}: {k} = {kw[k]} is a fraction (<= 1)")
+    if kw["headroom"] >= 1.0:
+        raise InputError(f"--hardware {name_or_path}: headroom must be a fraction below 1")
+    return Hardware(**kw)

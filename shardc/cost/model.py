@@ -1,0 +1,338 @@
+"""The inference cost model: a batch of strategies -> throughput, latency, memory, verdict.
+
+Semantics (a replica = tp x ep x pp GPUs serving ``batch`` sequences; dp replicas are
+independent, so per-GPU numbers are per replica):
+
+* attention and dense ops are data-parallel over ep: each of the ep attention groups (a tp
+  group) serves batch/ep sequences; experts: num_experts/ep per ep rank (see layer_costs);
+* layers are split over pp stages contiguously and as evenly as possible; the embedding sits
+  on the first stage, the lm_head on the last;
+* decode: the batch is split into pp micro-batches rotating through the stages;
+  ``tick = max stage time (one micro-batch) + inter-stage send``, ``TPOT = pp * tick``,
+  ``tok/s/GPU = batch / TPOT / replica_gpus``. ``ttft_ms`` is NaN in decode (prefill is not
+  simulated in the decode phase; use ``--phase prefill``);
+* prefill: with pp > 1 the batch runs as ``m = batch / ep`` micro-batches (one sequence per
+  attention group) through a GPipe schedule, ``time = (m + pp - 1) * tick`` (bubble
+  (pp-1)/(m+pp-1)); with pp = 1 the whole batch is one pass. ``TTFT`` = time until the
+  last sequence's prefill finishes; ``tok/s/GPU = batch * prompt / TTFT / replica_gpus``
+  (prompt tokens); ``tpot_ms`` is NaN;
+* memory per GPU (bottleneck stage): weight shards + KV cache of all resident sequences
+  (context tokens in decode, prompt tokens in prefill) + activations (4 live buffers of the
+  widest activation, the dispatched expert tokens and fp32 logits) + the preset's fixed
+  workspace; feasible if <= HBM x (1 - headroom).
+
+Step time decomposes over (layer kind x branch): per layer of kind k,
+``layer_k = norms_k + sum_branches branch_time(k, branch, choices of that branch)``; each
+stage ``sum_k count[s, k] * layer_k + [s first] embedding + [s last] lm_head``; all
+coefficients are >= 0, so (ignoring memory) minimising each branch term independently
+minimises every stage. Weight and KV bytes decompose the same way. See
+:meth:`CostModel.branch_tables`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from shardc.cost.branch_tables import branch_table
+from shardc.cost.hardware_presets import Hardware, load_hardware
+from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
+from shardc.cost.topology import mesh_groups
+from shardc.errors import InputError
+from shardc.ir.graph import Graph
+from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
+from shardc.ir.strategy import BRANCHES, Mesh, Strategy, Workload
+
+# reason codes of an infeasible strategy (0 = feasible), checked in this order
+REASONS = {
+    0: "feasible",
+    1: "degrees do not tile the mesh (tp x ep x pp must divide the GPU count)",
+    2: "an op choice is illegal at this tp degree (e.g. tp does not divide the heads)",
+    3: "batch does not divide evenly (over pp micro-batches x ep attention groups, or over "
+       "tp for batch-split attention)",
+    4: "does not fit in HBM (weights + KV cache + activations per GPU)",
+    5: "TPOT exceeds the SLO",
+    6: "TTFT exceeds the SLO",
+}
+OK, BAD_DEGREES, BAD_CHOICE, BAD_BATCH, NO_MEMORY, TPOT_SLO, TTFT_SLO = range(7)
+
+DEFAULT_EXPERT_IMBALANCE = 1.3  # busiest ep rank's routed tokens / mean (ep > 1)
+
+
+def reason_text(code: int) -> str:
+    return REASONS.get(int(code), f"unknown reason {code}")
+
+
+@dataclass
+class Evaluation:
+    """Arrays [B] over the evaluated strategies (ms, GB = 1e9 bytes, tokens/s/GPU)."""
+
+    tok_s_per_gpu: np.ndarray
+    tpot_ms: np.ndarray
+    ttft_ms: np.ndarray
+    memory_gb_per_gpu: np.ndarray
+    feasible: np.ndarray
+    reason: np.ndarray
+
+    def reason_text(self, i: int) -> str:
+        return reason_text(int(self.reason[i]))
+
+
+@dataclass
+class _Kind:
+    name: str
+    count: int
+    other_params: int
+    branches: list  # [(branch, [FusedOp], table, [slot names])]
+
+
+class CostModel:
+    """``CostModel(graph, mesh, hardware, workload)``; ``evaluate(actions, space)``.
+
+    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element,
+    default the graph's ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak),
+    ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`).
+    """
+
+    def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
+                 *, weight_bytes: float | None = None, kv_bytes: float | None = None,
+                 act_bytes: float | None = None, fp8_gemm: bool = False,
+                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE):
+        self.graph, self.mesh, self.workload = graph, mesh, workload
+        self.hw = load_hardware(hardware)
+        cfg = graph.config
+        dtype = float(cfg.get("dtype_bytes", 2) or 2)
+        self.weight_bytes = float(weight_bytes or dtype)
+        self.kv_bytes = float(kv_bytes or dtype)
+        self.act_bytes = float(act_bytes or dtype)
+        self.fp8_gemm = bool(fp8_gemm)
+        self.expert_imbalance = float(expert_imbalance)
+        self.hidden = int(cfg.get("hidden", 0))
+        if self.hidden <= 0:
+            raise InputError(f"model {graph.name}: config has no hidden size")
+        self.num_experts = int(cfg.get("num_experts", 0) or 0)
+        self.top_k = int(cfg.get("top_k", 0) or 0) or 1
+        self.kinds: list[_Kind] = []
+        for k in graph.layer_kinds:
+            brs = []
+            for bname, names in BRANCHES.items():
+                present = [n for n in names if k.op(n) is not None]
+                if present:
+                    brs.append((bname, [k.op(n) for n in present],
+                                branch_table(bname, tuple(present)),
+                                [f"{k.name}.{n}" for n in present]))
+            other = int((getattr(k, "attrs", None) or {}).get("other_params", 0) or 0)
+            self.kinds.append(_Kind(k.name, k.count, other, brs))
+        self.globals = []
+        for name in ("embedding", "lm_head"):
+            fop = graph.global_op(name)
+            if fop is not None:
+                self.globals.append((name, [fop], branch_table(name, (name,)), [name]))
+        self.widest = max([self.hidden] + [op_out_width(o) for k in graph.layer_kinds
+                                           for o in k.ops if o.name not in ("expert_ffn1",)])
+        self.expert_width = max([0] + [o.out_features for k in graph.layer_kinds for o in k.ops
+                                       if o.name == "expert_ffn1"])
+        self.vocab = int(cfg.get("vocab", 0) or 0)
+        self._layer_kind = self._layer_order()
+        self._stage_cache: dict[int, np.ndarray] = {}
+
+    # ------------------------------------------------------------ pipeline layout
+    def _layer_order(self) -> np.ndarray:
+        """Kind index of every layer in model order (from LayerKind.layers if complete)."""
+        total = sum(k.count for k in self.graph.layer_kinds)
+        order = np.full(total, -1, dtype=np.int64)
+        ok = True
+        for i, k in enumerate(self.graph.layer_kinds):
+            if len(k.layers) != k.count or any(not 0 <= L < total for L in k.layers):
+                ok = False
+                break
+            order[list(k.layers)] = i
+        if not ok or (order < 0).any():
+            order = np.repeat(np.arange(len(self.graph.layer_kinds)),
+                              [k.count for k in self.graph.layer_kinds])
+        return order
+
+    def stage_counts(self, pp: int) -> np.ndarray:
+        """[pp, n_kinds] layers of each kind on each stage (contiguous, balanced split)."""
+        if pp not in self._stage_cache:
+            L = len(self._layer_kind)
+            bounds = [(s * L) // pp for s in range(pp + 1)]
+            c = np.zeros((pp, len(self.kinds)), dtype=np.float64)
+            for s in range(pp):
+                for kind in self._layer_kind[bounds[s]:bounds[s + 1]]:
+                    c[s, kind] += 1
+            self._stage_cache[pp] = c
+        return self._stage_cache[pp]
+
+    # ------------------------------------------------------------------- core
+    def _simulate(self, actions: np.ndarray, space: StrategySpace, detail: bool = False) -> dict:
+        a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
+        B = a.shape[0]
+        deg = space.degree_arrays(a)
+        tp, ep, pp, sp, batch, dp = (deg[k] for k in ("tp", "ep", "pp", "sp", "batch", "dp"))
+        wl = self.workload
+        tpf, epf, ppf, bf = (x.astype(np.float64) for x in (tp, ep, pp, batch))
+        residual = (sp > 1).astype(np.int64)
+        if wl.phase == "decode":
+            seqs = bf / ppf / epf
+            tokens = seqs
+            micro = ppf
+            context, kv_context = float(wl.context), float(wl.context)
+            batch_ok = batch % (pp * ep) == 0
+        else:
+            seqs = np.where(pp > 1, 1.0, bf / epf)
+            tokens = seqs * wl.prompt
+            micro = np.where(pp > 1, bf / epf, 1.0)
+            context, kv_context = float(wl.prompt), float(wl.prompt)
+            batch_ok = batch % ep == 0
+        imb = np.where(ep > 1, self.expert_imbalance, 1.0)
+        b = Batch(hw=self.hw, phase=wl.phase, tp=tpf, ep=epf, sp=sp, seqs=seqs,
+                  seqs_resident=bf / epf, tokens=tokens,
+                  expert_tokens=tokens * self.top_k * imb,
+                  lm_tokens=tokens if wl.phase == "decode" else seqs,
+                  context=context, kv_context=kv_context, prompt=float(wl.prompt),
+                  residual=residual,
+                  groups=mesh_groups(tp, ep, np.maximum(dp, 1), pp, self.mesh.gpus_per_node),
+                  hidden=self.hidden, top_k=self.top_k, num_experts=self.num_experts,
+                  weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
+                  kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
+                  detail=detail)
+        slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
+        # legality of op choices and token splits
+        masks = space.op_masks(a[:, 0])
+        ops = a[:, len(DEGREE_COMPONENTS):]
+        choices_ok = np.take_along_axis(masks, ops[:, :, None], axis=2)[:, :, 0].all(axis=1)
+        split_ok = np.ones(B, dtype=bool)
+        tok_int = np.rint(tokens).astype(np.int64)
+        seq_int = np.rint(seqs).astype(np.int64)
+
+        def run(branches):
+            res = []
+            for bname, fops, table, slots in branches:
+                combo = np.zeros(B, dtype=np.int64)
+                for j, s in enumerate(slots):
+                    combo += a[:, slot_col[s]] * 3**j
+                in_width = fops[0].in_features if bname != "experts" else self.hidden
+                if bname == "embedding":
+                    in_width = 1
+                bc = branch_cost(bname, fops, table, combo, b, in_width)
+                modes = table.modes[combo, residual]
+                res.append((bname, fops, table, combo, bc))
+                nonlocal split_ok
+                if bname != "experts":  # expert tokens are not split over tp sequences
+                    ts = (modes == 4).any(axis=1)
+                    split_ok &= ~ts | (tok_int % tp == 0)
+                    for j, f in enumerate(fops):
+                        if f.name == "attn_core":
+                            split_ok &= (modes[:, j] != 4) | (seq_int % tp == 0)
+            return res
+
+        kinds_out = []
+        layer_time = []
+        layer_mem = []
+        for k in self.kinds:
+            brs = run(k.branches)
+            nt, nw = norms_cost(b, k.other_params)
+            t = nt.copy()
+            m = nw.copy()
+            for _, _, _, _, bc in brs:
+                t += bc.time_s
+                m += bc.weight_bytes + bc.kv_bytes
+            kinds_out.append((k, brs, nt))
+            layer_time.append(t)
+            layer_mem.append(m)
+        glob = {name: br for name, br in zip([g[0] for g in self.globals], run(self.globals))}
+        sp_res = np.where(residual == 1, tpf, 1.0)
+        split_ok &= (residual == 0) | (tok_int % tp == 0)
+
+        # ---- pipeline: stage times and memory (bottleneck stage)
+        n_st = int(pp.max()) if B else 1
+        stage_t = np.zeros((B, n_st))
+        stage_m = np.zeros((B, n_st))
+        for p in np.unique(pp):
+            rows = pp == p
+            cnt = self.stage_counts(int(p))
+            for s in range(int(p)):
+                t = np.zeros(int(rows.sum()))
+                m = np.zeros(int(rows.sum()))
+                for ki in range(len(self.kinds)):
+                    if cnt[s, ki]:
+                        t = t + cnt[s, ki] * layer_time[ki][rows]
+                        m = m + cnt[s, ki] * layer_mem[ki][rows]
+                if s == 0 and "embedding" in glob:
+                    bc = glob["embedding"][4]
+                    t = t + bc.time_s[rows]
+                    m = m + bc.weight_bytes[rows]
+                if s == int(p) - 1 and "lm_head" in glob:
+                    bc = glob["lm_head"][4]
+                    t = t + bc.time_s[rows]
+                    m = m + bc.weight_bytes[rows]
+                stage_t[rows, s] = t
+                stage_m[rows, s] = m
+        from shardc.cost import collectives as coll
+
+        send_bytes = tokens / sp_res * self.hidden * self.act_bytes
+        send = coll.send_recv(send_bytes, b.groups["pp"], self.hw)
+        tick = stage_t.max(axis=1) + send
+        if wl.phase == "decode":
+            tpot = ppf * tick
+            ttft = np.full(B, np.nan)
+            tok_s = bf / tpot / (tpf * epf * ppf)
+            latency_bad = tpot * 1e3 > wl.tpot_slo_ms
+            latency_reason = TPOT_SLO
+        else:
+            ttft = (micro + ppf - 1) * tick
+            tpot = np.full(B, np.nan)
+            tok_s = bf * wl.prompt / ttft / (tpf * epf * ppf)
+            latency_bad = ttft * 1e3 > wl.ttft_slo_ms
+            latency_reason = TTFT_SLO
+        act = self.act_bytes * 4 * (tokens * self.widest + b.expert_tokens * self.expert_width)
+        act = act + b.lm_tokens * self.vocab * 4.0
+        model_bytes = stage_m.max(axis=1) + act
+        mem_gb = (model_bytes + self.hw.workspace_gb * 1e9) / 1e9
+        mem_bad = model_bytes > self.hw.usable_hbm_bytes
+
+        reason = np.full(B, OK, dtype=np.int64)
+        for cond, code in ((latency_bad, latency_reason), (mem_bad, NO_MEMORY),
+                           (~(batch_ok & split_ok), BAD_BATCH), (~choices_ok, BAD_CHOICE),
+                           (dp <= 0, BAD_DEGREES)):
+            reason = np.where(cond, code, reason)
+        bad_deg = dp <= 0
+        tok_s = np.where(bad_deg, 0.0, tok_s)
+        ev = Evaluation(tok_s_per_gpu=tok_s, tpot_ms=tpot * 1e3, ttft_ms=ttft * 1e3,
+                        memory_gb_per_gpu=mem_gb, feasible=reason == OK, reason=reason)
+        return dict(ev=ev, kinds=kinds_out, glob=glob, stage_t=stage_t, stage_m=stage_m,
+                    send=send, tick=tick, micro=micro, act=act, b=b, deg=deg,
+                    layer_time=layer_time, layer_mem=layer_mem)
+
+    # ------------------------------------------------------------------ public
+    def evaluate(self, actions: np.ndarray, space: StrategySpace) -> Evaluation:
+        """Evaluate a batch of actions [B, A] of ``space`` (see :class:`Evaluation`)."""
+        return self._simulate(actions, space)["ev"]
+
+    def reason_text(self, code: int) -> str:
+        return reason_text(code)
+
+    def space_for(self, strategy: Strategy) -> StrategySpace:
+        """A strategy space whose batch candidates are exactly ``strategy.batch``."""
+        return StrategySpace(self.graph, self.mesh, replace(self.workload, batch=strategy.batch))
+
+    def explain(self, strategy: Strategy):
+        """Per-op breakdown of one strategy; see :mod:`shardc.cost.explain`."""
+        from shardc.cost.explain import explain
+
+        return explain(self, strategy)
+
+    def chrome_trace(self, strategy: Strategy) -> dict:
+        """The simulated step as Chrome-trace JSON (one lane per pipeline stage)."""
+        from shardc.cost.explain import chrome_trace
+
+        return chrome_trace(self, strategy)
+
+    def branch_tables(self, degree_action, space: StrategySpace):
+        """Per-(layer kind x branch) cost tables at fixed degrees; see
+        :func:`shardc.cost.decomposition.branch_tables`."""
+        from shardc.cost.decomposition import branch_tables
+
+        return branch_tables(self, degree_action, space)
