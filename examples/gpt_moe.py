@@ -8,7 +8,8 @@ have no bias. 60 layers = 1.197e12 parameters, 80 layers = 1.596e12.
 
 This module is deliberately *not* an HF class, so the frontend is exercised on a
 user-written model: a fused ``qkv`` linear, experts as stacked ``[E, in, out]`` weights
-multiplied with ``torch.nn.functional.grouped_mm`` (exports without data-dependent shapes).
+multiplied by the custom op ``gpt_moe::grouped_mm`` (``F.grouped_mm`` in bf16, a loop
+over experts otherwise; it exports without data-dependent shapes).
 """
 
 from __future__ import annotations
@@ -65,6 +66,26 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
+@torch.library.custom_op("gpt_moe::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [S, in] grouped by expert (group e = rows offsets[e-1]:offsets[e]), weight
+    [E, in, out] -> [S, out]. bf16 uses ``F.grouped_mm``; other dtypes loop over experts."""
+    if rows.dtype == torch.bfloat16 and rows.device.type != "meta":
+        return F.grouped_mm(rows, weight, offs=offsets)
+    out = rows.new_zeros(rows.shape[0], weight.shape[-1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = rows[start:end] @ weight[e]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(rows, weight, offsets):
+    return rows.new_empty(rows.shape[0], weight.shape[-1])
+
+
 class Experts(nn.Module):
     """``num_experts`` GeLU MLPs stored stacked: w_in [E, hidden, ffn], w_out [E, ffn, hidden]."""
 
@@ -87,8 +108,8 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts = counts.scatter_add(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        hidden = F.gelu(F.grouped_mm(rows, self.w_in, offs=offsets))
-        out = F.grouped_mm(hidden, self.w_out, offs=offsets)
+        hidden = F.gelu(grouped_mm(rows, self.w_in, offsets))
+        out = grouped_mm(hidden, self.w_out, offsets)
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         combined = torch.zeros_like(out).index_copy(0, order, out)
         return combined.view(tokens, top_k, -1).sum(dim=1)

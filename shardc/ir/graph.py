@@ -134,12 +134,18 @@ class FusedOp:
 
 @dataclass
 class LayerKind:
-    """A class of structurally identical decoder blocks (e.g. ``moe_block``)."""
+    """A class of structurally identical decoder blocks (e.g. ``moe_block``).
+
+    ``attrs["other_params"]`` = parameter elements of one layer outside its fused ops
+    (norm weights, ...), so that ``sum(count * (sum(op.params) + other_params))`` over kinds
+    + global ops + ``Graph.config["other_global_params"]`` == ``Graph.num_params``.
+    """
 
     name: str
     count: int
     layers: list[int] = field(default_factory=list)
     ops: list[FusedOp] = field(default_factory=list)
+    attrs: dict[str, Any] = field(default_factory=dict)
 
     def op(self, name: str) -> FusedOp | None:
         for o in self.ops:

@@ -1,0 +1,251 @@
+"""torch.export frontend: an ``nn.Module`` + example inputs -> raw IR :class:`Graph`.
+
+The model is wrapped (``input_ids -> logits``, ``use_cache=False`` for HF models) and
+exported with non-strict ``torch.export`` under ``torch.no_grad()`` (so HF's rotary
+``no_grad`` / autocast contexts do not become higher-order ops). Full-size models are traced
+on the ``meta`` device: nothing is allocated.
+
+Raw IR produced here (canonicalise turns it into op kinds, FLOPs and bytes):
+
+* one :class:`Node` per ``call_function`` with an output, ``op = "other"`` until
+  canonicalised, ``target`` = the op's string (``aten.linear.default``);
+* graph inputs -> ``op = "input"`` nodes, the graph output -> one ``op = "output"`` node;
+* parameters are not nodes: a parameter placeholder, and any pure view/cast of it
+  (``transpose``, ``t``, ``view``, ``to`` ...), is an *alias* of the parameter, and the
+  :class:`Param` record is attached to the node that consumes it;
+* buffers and constants (e.g. rotary ``inv_freq``) are neither nodes nor params;
+* ``module_path`` = innermost ``nn_module_stack`` entry (wrapper prefix removed), ``layer``
+  = the first numeric component of that path (``model.layers.12.mlp`` -> 12).
+
+``Graph.params`` holds every parameter of the module once (tied weights once), in
+``named_parameters`` order, so ``Graph.num_params == sum(p.numel() for p in module.parameters())``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardc.errors import InputError
+from shardc.ir.graph import Graph, Node, Param
+
+# Ops that only reinterpret a tensor; applied to a parameter they yield an alias of it.
+_PARAM_VIEW_OPS = {
+    "transpose", "t", "view", "reshape", "permute", "expand", "unsqueeze", "squeeze",
+    "to", "_to_copy", "contiguous", "alias", "clone", "detach", "type_as", "_unsafe_view",
+    "numpy_T", "mT", "flatten",
+}
+# Ops with no tensor output that are dropped.
+_DROPPED_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size",
+                "_assert_async", "sym_size", "sym_numel", "sym_stride"}
+
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+class _LogitsWrapper(nn.Module):
+    """``input_ids -> logits``: drops HF output objects and the KV cache."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        config = getattr(model, "config", None)
+        self._hf = config is not None and hasattr(config, "use_cache")
+
+    def forward(self, *args):
+        out = self.model(*args, use_cache=False) if self._hf else self.model(*args)
+        if hasattr(out, "logits"):
+            return out.logits
+        if isinstance(out, (tuple, list)):
+            return out[0]
+        return out
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
+
+
+def target_name(target: Any) -> str:
+    """Stable string for an FX target: ``aten.mm.default``, ``getitem``, ``wrap_with_...``."""
+    if isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        return f"{ns}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name()
+    name = getattr(target, "__name__", None) or str(target)
+    return name
+
+
+def _op_base(target_str: str) -> str:
+    parts = target_str.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
+
+
+def _tensor_meta(val: Any) -> tuple[list[int], str] | None:
+    if isinstance(val, torch.Tensor):
+        return [int(s) for s in val.shape], dtype_name(val.dtype)
+    return None
+
+
+def _output_meta(val: Any) -> tuple[list[int], str, list[list[int]]]:
+    """(first output shape, its dtype, all output shapes) of an FX node's ``meta['val']``."""
+    if isinstance(val, (tuple, list)):
+        metas = [_tensor_meta(v) for v in val]
+        shapes = [m[0] for m in metas if m]
+        first = next((m for m in metas if m), None)
+        return (first[0], first[1], shapes) if first else ([], "", [])
+    m = _tensor_meta(val)
+    return (m[0], m[1], [m[0]]) if m else ([], "", [])
+
+
+def _module_path(fx_node: torch.fx.Node, prefix: str) -> str:
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.replace("L['self'].", "").replace("L__self___", "")
+    if path == prefix.rstrip("."):
+        return ""
+    return path[len(prefix):] if path.startswith(prefix) else path
+
+
+def layer_of(module_path: str) -> int | None:
+    """Decoder-layer index: the first numeric component of a module path, else None."""
+    m = _LAYER_RE.search(module_path)
+    return int(m.group(1)) if m else None
+
+
+def _flat_args(args: Any) -> list[Any]:
+    out: list[Any] = []
+    stack = [args]
+    while stack:
+        a = stack.pop(0)
+        if isinstance(a, (list, tuple)):
+            stack[0:0] = list(a)
+        elif isinstance(a, dict):
+            stack[0:0] = list(a.values())
+        else:
+            out.append(a)
+    return out
+
+
+def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
+    """Non-strict ``torch.export`` of ``model`` wrapped as ``input_ids -> logits``."""
+    wrapper = _LogitsWrapper(model)
+    try:
+        with torch.no_grad():
+            return torch.export.export(wrapper, tuple(example_inputs), strict=False)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"torch.export failed for {type(model).__name__}: "
+                         f"{type(e).__name__}: {msg}") from e
+
+
+def trace_module(model: nn.Module, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
+    """Trace ``model`` at ``example_inputs`` into a raw IR :class:`Graph` (see module doc).
+
+    Inputs are moved to the model's device (``meta`` for full-size models)."""
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    example_inputs = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in example_inputs)
+    ep = export_program(model, example_inputs)
+    graph = program_to_graph(ep, model, name=name or type(model).__name__, source=source)
+    ids = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
+    graph.tokens = int(ids.numel()) if ids is not None else 0
+    return graph
+
+
+def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: str,
+                     source: str = "") -> Graph:
+    """Convert an exported program of :class:`_LogitsWrapper` (``model``) into raw IR."""
+    prefix = "model."
+    sig = ep.graph_signature
+    param_of_placeholder = {k: v[len(prefix):] if v.startswith(prefix) else v
+                            for k, v in sig.inputs_to_parameters.items()}
+    user_inputs = set(sig.user_inputs)
+
+    params: dict[str, Param] = {}
+    for fqn, p in model.named_parameters():
+        params[fqn] = Param(fqn=fqn, shape=[int(s) for s in p.shape], dtype=dtype_name(p.dtype))
+
+    graph = Graph(name=name, source=source, params=list(params.values()))
+    alias: dict[str, list[Param]] = {}  # fx name -> params it is a view of
+    produced: set[str] = set()  # fx names that are IR nodes (valid inputs)
+    nodes: list[Node] = []
+
+    for fx in ep.graph.nodes:
+        if fx.op == "placeholder":
+            if fx.name in param_of_placeholder:
+                fqn = param_of_placeholder[fx.name]
+                p = params.get(fqn)
+                if p is None:
+                    val = fx.meta.get("val")
+                    p = Param(fqn=fqn, shape=list(val.shape), dtype=dtype_name(val.dtype))
+                alias[fx.name] = [p]
+            elif fx.name in user_inputs:
+                shape, dt, _ = _output_meta(fx.meta.get("val"))
+                nodes.append(Node(name=fx.name, op="input", target="input",
+                                  output_shape=shape, dtype=dt))
+                produced.add(fx.name)
+            continue
+        if fx.op == "output":
+            outs = [a.name for a in _flat_args(fx.args) if isinstance(a, torch.fx.Node)
+                    and a.name in produced]
+            shapes = [nodes_by_name_shape(nodes, o) for o in outs]
+            nodes.append(Node(name="output", op="output", target="output", inputs=outs,
+                              input_shapes=shapes, output_shape=shapes[0] if shapes else [],
+                              dtype=nodes[-1].dtype if nodes else ""))
+            continue
+        if fx.op != "call_function":
+            continue  # get_attr (constants, HOP sub-graphs)
+        tname = target_name(fx.target)
+        base = _op_base(tname)
+        if base in _DROPPED_OPS:
+            continue
+        arg_nodes = [a for a in _flat_args((fx.args, fx.kwargs)) if isinstance(a, torch.fx.Node)]
+        shape, dt, shapes = _output_meta(fx.meta.get("val"))
+        if not shapes and fx.meta.get("val") is None and not fx.users:
+            continue  # no output, no users: an assertion-like op
+        tensor_args = [a for a in arg_nodes if a.name in alias or a.name in produced]
+        if (tensor_args and all(a.name in alias for a in tensor_args)
+                and (base in _PARAM_VIEW_OPS or tname == "getitem")):
+            alias[fx.name] = [p for a in tensor_args for p in alias[a.name]]
+            continue
+        node_params: list[Param] = []
+        inputs: list[str] = []
+        in_shapes: list[list[int]] = []
+        for a in arg_nodes:
+            if a.name in alias:
+                for p in alias[a.name]:
+                    if p not in node_params:
+                        node_params.append(p)
+            elif a.name in produced:
+                inputs.append(a.name)
+                in_shapes.append(_output_meta(a.meta.get("val"))[0])
+        mpath = _module_path(fx, prefix)
+        node = Node(name=fx.name, op="other", target=tname, inputs=inputs, input_shapes=in_shapes,
+                    output_shape=shape, dtype=dt, params=node_params, module_path=mpath,
+                    layer=layer_of(mpath))
+        if len(shapes) > 1:
+            node.attrs["output_shapes"] = shapes
+        scalars = [a for a in fx.args if isinstance(a, (int, float, bool)) and not isinstance(a, torch.fx.Node)]
+        if scalars:
+            node.attrs["scalars"] = scalars
+        if fx.kwargs:
+            kw = {k: v for k, v in fx.kwargs.items() if isinstance(v, (int, float, bool, str))}
+            if kw:
+                node.attrs["kwargs"] = kw
+        nodes.append(node)
+        produced.add(fx.name)
+    graph.nodes = nodes
+    return graph
+
+
+def nodes_by_name_shape(nodes: list[Node], name: str) -> list[int]:
+    for n in reversed(nodes):
+        if n.name == name:
+            return n.output_shape
+    return []

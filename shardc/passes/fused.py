@@ -1,0 +1,156 @@
+"""Fused-op grouping: assign ``Node.fused_op`` from canonical IR fields only.
+
+Uses op kinds, parameters (shapes), layer indices and dataflow (``Node.inputs``) -- never
+``Node.target`` -- so nodes from any frontend (torch.export, ONNX) are grouped the same way.
+Per decoder layer (nodes with the same ``Node.layer``):
+
+* attention core: the ``attention`` node(s); without one (unfused attention), the
+  activation-by-activation ``matmul`` nodes and the ``softmax``-like activations between them;
+* ``qkv``: parametric ``linear`` nodes before the core whose output reaches another linear
+  before the core (MLA's low-rank "down" projections; ``Node.attrs['low_rank'] = True``),
+  plus those whose output reaches the core without passing another linear ("up" projections);
+* ``out_proj``: linears reached from the core output without passing another linear;
+* ``router``: a linear whose output reaches a ``router`` (top-k) node without passing
+  another linear, plus the parametric nodes on that path (e.g. a score-correction bias) and
+  the top-k nodes;
+* ``expert_ffn1`` / ``expert_ffn2``: ``grouped_matmul`` nodes whose output does / does not
+  reach another grouped matmul;
+* remaining linears: ``ffn1`` / ``ffn2`` in a layer without experts, ``shared_ffn1`` /
+  ``shared_ffn2`` in a layer with experts; ``*1`` if the output reaches another remaining
+  linear, else ``*2``;
+* ``norm``: ``norm`` nodes and remaining nodes with only 1-D parameters (decomposed RMSNorm).
+
+Outside the layers: ``embedding`` nodes -> ``embedding``; linears -> ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from shardc.ir.graph import Graph, Node
+
+_MATMULS = ("linear", "grouped_matmul")
+
+
+class _Flow:
+    """Consumer lists and positions for reachability queries."""
+
+    def __init__(self, graph: Graph):
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.pos = {n.name: i for i, n in enumerate(graph.nodes)}
+        self.users: dict[str, list[Node]] = defaultdict(list)
+        for n in graph.nodes:
+            for i in n.inputs:
+                self.users[i].append(n)
+
+    def reach(self, start: Node, stop_kinds=_MATMULS, targets: set[str] | None = None,
+              same_layer: bool = True) -> set[str]:
+        """Names of nodes reachable from ``start`` (exclusive). The walk does not continue
+        through nodes of ``stop_kinds`` (they are reported) nor leave ``start.layer``."""
+        seen: set[str] = set()
+        frontier = [start]
+        while frontier:
+            cur = frontier.pop()
+            for u in self.users.get(cur.name, ()):
+                if u.name in seen or (same_layer and u.layer != start.layer):
+                    continue
+                seen.add(u.name)
+                if u.op in stop_kinds or (targets is not None and u.name in targets):
+                    continue
+                frontier.append(u)
+        return seen
+
+
+def _attention_core(nodes: list[Node], flow: _Flow) -> list[Node]:
+    core = [n for n in nodes if n.op == "attention"]
+    if core:
+        return core
+    mms = [n for n in nodes if n.op == "matmul" and not n.params and len(n.input_shapes) >= 2
+           and len(n.input_shapes[0]) >= 3]
+    if len(mms) < 2:
+        return []
+    first, last = flow.pos[mms[0].name], flow.pos[mms[-1].name]
+    between = [n for n in nodes if first < flow.pos[n.name] < last and n.op == "activation"]
+    return mms[:2] + between
+
+
+def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
+    linears = [n for n in nodes if n.op == "linear" and n.params]
+    grouped = [n for n in nodes if n.op == "grouped_matmul"]
+    core = _attention_core(nodes, flow)
+    done: set[str] = set()
+
+    def mark(node: Node, name: str) -> None:
+        node.fused_op = name
+        done.add(node.name)
+
+    if core:
+        core_names = {n.name for n in core}
+        start, end = min(flow.pos[c] for c in core_names), max(flow.pos[c] for c in core_names)
+        for c in core:
+            mark(c, "attn_core")
+        before = [n for n in linears if flow.pos[n.name] < start]
+        before_names = {n.name for n in before}
+        low_rank = [n for n in before if flow.reach(n) & before_names]
+        low_names = {n.name for n in low_rank}
+        for n in before:
+            if n.name not in low_names and flow.reach(n) & core_names:
+                mark(n, "qkv")
+        for n in low_rank:
+            mark(n, "qkv")
+            n.attrs["low_rank"] = True
+        reached = set()
+        for c in core:
+            reached |= flow.reach(c)
+        for n in linears:
+            if n.name in reached and flow.pos[n.name] > end and n.name not in done:
+                mark(n, "out_proj")
+    routers = [n for n in nodes if n.op == "router"]
+    router_names = {n.name for n in routers}
+    for n in linears:
+        if n.name in done:
+            continue
+        path = flow.reach(n)
+        if path & router_names:
+            mark(n, "router")
+            for name in path:
+                node = flow.by_name[name]
+                if node.params and node.name not in done and node.op not in _MATMULS:
+                    mark(node, "router")
+    for n in routers:
+        mark(n, "router")
+    grouped_names = {n.name for n in grouped}
+    for n in grouped:
+        mark(n, "expert_ffn1" if flow.reach(n) & grouped_names else "expert_ffn2")
+    rest = [n for n in linears if n.name not in done]
+    rest_names = {n.name for n in rest}
+    prefix = "shared_ffn" if grouped else "ffn"
+    for n in rest:
+        mark(n, f"{prefix}1" if flow.reach(n) & rest_names else f"{prefix}2")
+    for n in nodes:
+        if n.name in done:
+            continue
+        if n.op == "norm" or (n.params and all(len(p.shape) == 1 for p in n.params)):
+            n.fused_op = "norm"
+
+
+def group_fused_ops(graph: Graph) -> Graph:
+    """Set ``Node.fused_op`` on every node that belongs to a fused op (in place)."""
+    flow = _Flow(graph)
+    by_layer: dict[int, list[Node]] = defaultdict(list)
+    for n in graph.nodes:
+        n.fused_op = None
+        if n.layer is not None:
+            by_layer[n.layer].append(n)
+    for layer in sorted(by_layer):
+        _assign_layer(by_layer[layer], flow)
+    for n in graph.nodes:
+        if n.layer is not None:
+            continue
+        if n.op == "embedding":
+            n.fused_op = "embedding"
+        elif n.op == "linear" and n.params:
+            n.fused_op = "lm_head"
+        elif n.op == "norm" or (n.params and all(len(p.shape) == 1 for p in n.params)):
+            n.fused_op = "norm"
+    return graph

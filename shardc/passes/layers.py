@@ -1,0 +1,294 @@
+"""Layer grouping: structurally identical decoder layers -> :class:`LayerKind`, with the
+per-layer :class:`FusedOp` records the cost model consumes, plus ``Graph.global_ops`` and
+``Graph.config``. Reads canonical fields only (op, fused_op, params, shapes, layer).
+
+A layer's *signature* is the sequence of (op kind, fused op, parameter shapes) of its nodes;
+layers with equal signatures form one kind, named ``moe_block`` (has grouped expert matmuls)
+or ``dense_block`` (``_2``, ``_3`` ... if several kinds share a base name), ordered by first
+layer. FusedOp conventions (per layer, one token): see :class:`shardc.ir.graph.FusedOp`;
+``nodes`` lists the node names of the kind's first layer.
+
+Decode FLOPs per token (:func:`decode_flops_per_token`) at context ``C``::
+
+    sum_kinds count * (sum_ops flops_per_token + C * attn_core.flops_per_token_per_context)
+    + sum_global_ops flops_per_token
+
+with linear-like ops at ``2 * weight elements`` (experts: ``top_k * 2 * in * out``), the
+embedding lookup at 0 and attention at ``2 * heads * (head_dim + v_head_dim)`` per cached
+position -- i.e. ``2 x active parameters (embedding table excluded) + attention term``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from shardc.ir.graph import FusedOp, Graph, LayerKind, Node
+from shardc.passes.canonicalise import dtype_bytes
+
+
+def _param_total(nodes: list[Node]) -> int:
+    seen: dict[str, int] = {}
+    for n in nodes:
+        for p in n.params:
+            seen[p.fqn] = p.numel
+    return sum(seen.values())
+
+
+def _weight_total(nodes: list[Node]) -> int:
+    seen: dict[str, int] = {}
+    for n in nodes:
+        for p in n.params:
+            if len(p.shape) >= 2:
+                seen[p.fqn] = p.numel
+    return sum(seen.values())
+
+
+def _in(n: Node) -> int:
+    return int(n.input_shapes[0][-1]) if n.input_shapes and n.input_shapes[0] else 0
+
+
+def _out(n: Node) -> int:
+    return int(n.output_shape[-1]) if n.output_shape else 0
+
+
+def _linear_op(name: str, nodes: list[Node], **attrs) -> FusedOp:
+    params = _param_total(nodes)
+    return FusedOp(name=name, in_features=_in(nodes[0]), out_features=sum(_out(n) for n in nodes),
+                   params=params, shardable_params=params, flops_per_token=2 * _weight_total(nodes),
+                   nodes=[n.name for n in nodes], attrs=dict(attrs))
+
+
+def _top_k(nodes: list[Node], num_experts: int) -> int:
+    routers = [n for n in nodes if n.op == "router" and n.output_shape]
+    exact = [n for n in routers if n.input_shapes and len(n.input_shapes[0]) == 2
+             and n.input_shapes[0][-1] == num_experts]
+    pick = (exact or routers)
+    return int(pick[-1].output_shape[-1]) if pick else 0
+
+
+def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
+    att = next((n for n in core if n.op == "attention"), None)
+    if att is not None and len(att.input_shapes) >= 3:
+        q, v = att.input_shapes[0], att.input_shapes[2]
+        heads, head_dim, v_head_dim = int(q[-3]), int(q[-1]), int(v[-1])
+    else:  # unfused: q [.., H, S, D] @ k^T; probs @ v [.., H, S, Dv]
+        mms = [n for n in core if n.op == "matmul"]
+        q = mms[0].input_shapes[0]
+        heads, head_dim = int(q[-3]) if len(q) >= 3 else 1, int(q[-1])
+        v_head_dim = _out(mms[1]) if len(mms) > 1 else head_dim
+    up = [n for n in qkv if not n.attrs.get("low_rank")]
+    low = [n for n in qkv if n.attrs.get("low_rank")]
+    names = {n.name for n in nodes}
+    v_input = att.inputs[2] if att is not None and len(att.inputs) >= 3 else None
+    feeds_v = _feeders(v_input, nodes, names) if v_input else set()
+    kv_up = {n.name for n in up if n.name in feeds_v}
+    kv_down = [n for n in low if _reaches_any(n, kv_up, nodes)]
+    if kv_down:  # MLA: the cache holds the shared latent (+ rope key), not per-head K/V
+        cache, kv_heads, split = sum(_out(n) for n in kv_down), heads, False
+    else:
+        total = sum(_out(n) for n in up)
+        kv_heads = max((total - heads * head_dim) // max(head_dim + v_head_dim, 1), 1)
+        cache, split = kv_heads * (head_dim + v_head_dim), True
+    attrs = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_head_dim": v_head_dim,
+             "kv_cache_elems_per_token": cache, "kv_cache_split_by_heads": split,
+             "flops_per_token_per_context": 2 * heads * (head_dim + v_head_dim)}
+    return FusedOp(name="attn_core", nodes=[n.name for n in core], attrs=attrs)
+
+
+def _feeders(start: str, nodes: list[Node], names: set[str]) -> set[str]:
+    """Nodes whose output reaches ``start`` backwards, stopping at (and including) linears."""
+    by_name = {n.name: n for n in nodes}
+    out, stack = set(), [start]
+    while stack:
+        cur = by_name.get(stack.pop())
+        if cur is None or cur.name in out:
+            continue
+        out.add(cur.name)
+        if cur.op in ("linear", "grouped_matmul") and cur.name != start:
+            continue
+        stack.extend(i for i in cur.inputs if i in names)
+    return out
+
+
+def _reaches_any(node: Node, targets: set[str], nodes: list[Node]) -> bool:
+    users: dict[str, list[Node]] = defaultdict(list)
+    for n in nodes:
+        for i in n.inputs:
+            users[i].append(n)
+    seen, stack = set(), [node.name]
+    while stack:
+        for u in users.get(stack.pop(), ()):
+            if u.name in targets:
+                return True
+            if u.name not in seen and u.op not in ("linear", "grouped_matmul"):
+                seen.add(u.name)
+                stack.append(u.name)
+    return False
+
+
+def _layer_ops(nodes: list[Node]) -> tuple[list[FusedOp], int]:
+    """FusedOps of one layer and the parameter elements outside them."""
+    by_op: dict[str, list[Node]] = defaultdict(list)
+    for n in nodes:
+        if n.fused_op:
+            by_op[n.fused_op].append(n)
+    lin = {k: [n for n in v if n.op in ("linear", "grouped_matmul") and n.params]
+           for k, v in by_op.items()}
+    ops: list[FusedOp] = []
+    grouped = lin.get("expert_ffn1", []) + lin.get("expert_ffn2", [])
+    num_experts = int(grouped[0].params[0].shape[0]) if grouped and grouped[0].params else 0
+    top_k = _top_k(nodes, num_experts) if num_experts else 0
+    if lin.get("qkv"):
+        qkv = lin["qkv"]
+        up = [n for n in qkv if not n.attrs.get("low_rank")]
+        op = _linear_op("qkv", qkv)
+        op.in_features = max(_in(n) for n in qkv)
+        op.out_features = sum(_out(n) for n in up)
+        op.shardable_params = _param_total(up)
+        ops.append(op)
+    if by_op.get("attn_core"):
+        ops.append(_attn_core(by_op["attn_core"], lin.get("qkv", []), nodes))
+    if lin.get("out_proj"):
+        op = _linear_op("out_proj", lin["out_proj"])
+        op.in_features = sum(_in(n) for n in lin["out_proj"])
+        op.out_features = _out(lin["out_proj"][0])
+        ops.append(op)
+    for pre in ("ffn", "shared_ffn"):
+        f1, f2 = lin.get(f"{pre}1", []), lin.get(f"{pre}2", [])
+        if not (f1 and f2):
+            continue
+        gated = sum(_out(n) for n in f1) == 2 * _in(f2[0])
+        extra = {}
+        if pre == "shared_ffn" and grouped:
+            extra["num_shared"] = max(_in(f2[0]) // max(_in(lin["expert_ffn2"][0]), 1), 1)
+        ops.append(_linear_op(f"{pre}1", f1, gated=gated, **extra))
+        op2 = _linear_op(f"{pre}2", f2, **extra)
+        op2.out_features = _out(f2[0])
+        ops.append(op2)
+    if lin.get("router"):
+        op = _linear_op("router", lin["router"], num_experts=num_experts, top_k=top_k)
+        op.params = op.shardable_params = _param_total(by_op["router"])
+        ops.append(op)
+    if lin.get("expert_ffn1") and lin.get("expert_ffn2"):
+        e1, e2 = lin["expert_ffn1"][0], lin["expert_ffn2"][0]
+        gated = _out(e1) == 2 * _in(e2)
+        for name, n in (("expert_ffn1", e1), ("expert_ffn2", e2)):
+            params = _param_total([n])
+            ops.append(FusedOp(name=name, in_features=_in(n), out_features=_out(n), params=params,
+                               shardable_params=params, flops_per_token=top_k * 2 * _in(n) * _out(n),
+                               nodes=[n.name], attrs={"num_experts": num_experts, "top_k": top_k,
+                                                      "gated": gated}))
+    in_ops = {name for o in ops for name in o.nodes}
+    if lin.get("router"):  # the router op counts every parameter on its path (e.g. a bias)
+        in_ops |= {n.name for n in by_op["router"]}
+    other = _param_total([n for n in nodes]) - _param_total(
+        [n for n in nodes if n.name in in_ops])
+    return ops, other
+
+
+def _signature(nodes: list[Node]) -> tuple:
+    return tuple((n.op, n.fused_op, tuple(tuple(p.shape) for p in n.params)) for n in nodes)
+
+
+def group_layers(graph: Graph) -> Graph:
+    """Fill ``layer_kinds``, ``global_ops``, ``config`` and ``Node.layer_kind`` (in place)."""
+    by_layer: dict[int, list[Node]] = defaultdict(list)
+    for n in graph.nodes:
+        n.layer_kind = None
+        if n.layer is not None:
+            by_layer[n.layer].append(n)
+    kinds: dict[tuple, LayerKind] = {}
+    base_count: dict[str, int] = defaultdict(int)
+    for layer in sorted(by_layer):
+        nodes = by_layer[layer]
+        sig = _signature(nodes)
+        kind = kinds.get(sig)
+        if kind is None:
+            base = "moe_block" if any(n.op == "grouped_matmul" for n in nodes) else "dense_block"
+            base_count[base] += 1
+            name = base if base_count[base] == 1 else f"{base}_{base_count[base]}"
+            ops, other = _layer_ops(nodes)
+            kind = LayerKind(name=name, count=0, ops=ops, attrs={"other_params": other})
+            kinds[sig] = kind
+        kind.count += 1
+        kind.layers.append(layer)
+        for n in nodes:
+            n.layer_kind = kind.name
+    graph.layer_kinds = list(kinds.values())
+    graph.global_ops = _global_ops(graph)
+    graph.config = _config(graph)
+    return graph
+
+
+def _global_ops(graph: Graph) -> list[FusedOp]:
+    outside = [n for n in graph.nodes if n.layer is None]
+    ops: list[FusedOp] = []
+    emb = [n for n in outside if n.fused_op == "embedding" and n.params]
+    if emb:
+        p = emb[0].params[0]
+        ops.append(FusedOp(name="embedding", in_features=int(p.shape[0]), out_features=int(p.shape[-1]),
+                           params=p.numel, shardable_params=p.numel, flops_per_token=0,
+                           nodes=[n.name for n in emb]))
+    head = [n for n in outside if n.fused_op == "lm_head"]
+    if head:
+        op = _linear_op("lm_head", head)
+        tied = emb and {p.fqn for p in head[0].params} & {p.fqn for p in emb[0].params}
+        if tied:  # stored once, counted with the embedding
+            op.params = op.shardable_params = 0
+            op.attrs["tied_to"] = "embedding"
+        ops.append(op)
+    return ops
+
+
+def _config(graph: Graph) -> dict:
+    cfg: dict = {}
+    emb, head = graph.global_op("embedding"), graph.global_op("lm_head")
+    cfg["vocab"] = emb.in_features if emb else head.out_features if head else 0
+    cfg["hidden"] = emb.out_features if emb else head.in_features if head else 0
+    cfg["layers"] = graph.num_layers
+    attn = next((k.op("attn_core") for k in graph.layer_kinds if k.op("attn_core")), None)
+    a = attn.attrs if attn else {}
+    for key in ("heads", "kv_heads", "head_dim", "v_head_dim"):
+        cfg[key] = int(a.get(key, 0))
+    ffn2 = next((k.op("ffn2") for k in graph.layer_kinds if k.op("ffn2")), None)
+    exp2 = next((k.op("expert_ffn2") for k in graph.layer_kinds if k.op("expert_ffn2")), None)
+    shared = next((k.op("shared_ffn2") for k in graph.layer_kinds if k.op("shared_ffn2")), None)
+    cfg["ffn"] = ffn2.in_features if ffn2 else 0
+    cfg["expert_ffn"] = exp2.in_features if exp2 else 0
+    cfg["num_experts"] = int(exp2.attrs["num_experts"]) if exp2 else 0
+    cfg["top_k"] = int(exp2.attrs["top_k"]) if exp2 else 0
+    cfg["num_shared_experts"] = int(shared.attrs.get("num_shared", 0)) if shared else 0
+    dtypes: dict[str, int] = defaultdict(int)
+    for p in graph.params:
+        dtypes[p.dtype] += p.numel
+    cfg["dtype_bytes"] = dtype_bytes(max(dtypes, key=dtypes.get)) if dtypes else 2
+    counted = sum(k.count * (sum(o.params for o in k.ops) + k.attrs.get("other_params", 0))
+                  for k in graph.layer_kinds) + sum(o.params for o in graph.global_ops)
+    cfg["other_global_params"] = graph.num_params - counted
+    return cfg
+
+
+def decode_flops_per_token(graph: Graph, context: int) -> int:
+    """Forward FLOPs to decode one token at ``context`` cached positions (module docstring)."""
+    total = sum(o.flops_per_token for o in graph.global_ops)
+    for k in graph.layer_kinds:
+        per_layer = sum(o.flops_per_token for o in k.ops)
+        attn = k.op("attn_core")
+        if attn:
+            per_layer += context * int(attn.attrs.get("flops_per_token_per_context", 0))
+        total += k.count * per_layer
+    return total
+
+
+def active_params(graph: Graph) -> int:
+    """Parameters touched per token: all but the embedding table, experts scaled by top_k / E."""
+    total = graph.num_params
+    emb = graph.global_op("embedding")
+    total -= emb.params if emb else 0
+    for k in graph.layer_kinds:
+        for o in k.ops:
+            if o.name.startswith("expert_ffn") and o.attrs.get("num_experts"):
+                e, kk = o.attrs["num_experts"], o.attrs["top_k"]
+                total -= k.count * (o.params - o.params * kk // e)
+    return total
+
