@@ -1,0 +1,161 @@
+"""``shardc simulate MODEL --mesh GxN --degrees tp=8,ep=8,pp=2``: cost one strategy.
+
+Prints the per-op breakdown (ms per layer per micro-batch), the collectives, the stage
+times and the predicted throughput/latency/memory; ``--json FILE`` writes ``model``,
+``degrees``, ``workload`` and ``predicted`` (plan.json's keys). ``--batch auto`` picks the
+feasible batch candidate with the highest tok/s/GPU. ``--choices`` = ``megatron`` (default)
+or ``rep``, optionally followed by overrides ``SLOT=NAME`` (e.g.
+``megatron,moe_block.expert_ffn2=col``; slot names as ``shardc inspect`` lists them).
+Exit 3 if the strategy is infeasible (the table is still printed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from tabulate import tabulate
+
+from shardc.commands.compile import add_workload_arguments, workload_from_args
+from shardc.errors import InfeasibleError, InputError
+from shardc.ir.space import StrategySpace, megatron_op_choices
+from shardc.ir.strategy import CHOICE_NAMES, Degrees, Mesh, Strategy
+
+HELP = "Predict throughput, latency and memory of one sharding strategy (no search)."
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="model file (.py), .onnx, or HF config.json")
+    p.add_argument("--mesh", required=True, help="GxN: N nodes of G GPUs, e.g. 8x128")
+    p.add_argument("--degrees", required=True, help="e.g. tp=8,ep=8,pp=2 (dp derived)")
+    add_workload_arguments(p)
+    p.add_argument("--choices", default="megatron",
+                   help="megatron|rep[,SLOT=NAME...] per-op choices (default megatron)")
+    p.add_argument("--json", default=None, help="write model, degrees, predicted to FILE")
+
+
+def parse_choices(text: str, space: StrategySpace, tp_idx: int) -> dict[str, int]:
+    parts = [s.strip() for s in str(text).split(",") if s.strip()]
+    base = parts[0] if parts and "=" not in parts[0] else "megatron"
+    if base == "megatron":
+        vals = megatron_op_choices(space, tp_idx)
+    elif base == "rep":
+        vals = np.full(len(space.op_slots), 2)
+    else:
+        raise InputError(f"--choices {text!r}: expected megatron or rep, then SLOT=NAME pairs")
+    out = {s: int(v) for s, v in zip(space.op_slots, vals)}
+    for part in parts[1:] if "=" not in parts[0] else parts:
+        slot, _, name = (x.strip() for x in part.partition("="))
+        if slot not in out:
+            raise InputError(f"--choices: unknown op slot {slot!r} "
+                             f"(slots: {', '.join(space.op_slots)})")
+        names = CHOICE_NAMES[slot.split(".")[-1]]
+        if name not in names:
+            raise InputError(f"--choices: {slot}={name!r}; expected one of {', '.join(names)}")
+        out[slot] = names.index(name)
+    return out
+
+
+def _degrees(text: str, mesh: Mesh) -> Degrees:
+    d = Degrees.parse(text)
+    replica = d.tp * d.ep * d.pp
+    if mesh.gpus % replica:
+        raise InputError(f"--degrees {text}: tp*ep*pp = {replica} does not divide the "
+                         f"{mesh.gpus} GPUs of mesh {mesh}")
+    dp = mesh.gpus // replica
+    if "dp=" in text.replace(" ", "") and d.dp != dp:
+        raise InputError(f"--degrees {text}: dp={d.dp} but mesh {mesh} gives dp={dp}")
+    return replace(d, dp=dp)
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def report(ex) -> str:
+    p = ex.predicted
+    bd = p["breakdown"]
+    rows = [[r["layer_kind"], r["op"], r["choice"], r["count"], _fmt(r["compute_ms"], 4),
+             _fmt(r["memory_ms"], 4), _fmt(r["comm_ms"], 4), _fmt(r["time_ms"] + r["comm_ms"], 4)]
+            for r in ex.ops]
+    out = [tabulate(rows, headers=["layer kind", "op", "choice", "layers", "compute ms",
+                                   "memory ms", "comm ms (before)", "total ms"],
+                    tablefmt="simple"), ""]
+    crow = [[k, b, before, kind, dim, f"{S / 1e6:.3f}", _fmt(ms, 4)]
+            for k, b, before, kind, dim, S, ms in ex.collectives]
+    if crow:
+        out += [tabulate(crow, headers=["layer kind", "branch", "at", "collective", "mesh dim",
+                                        "MB", "ms"], tablefmt="simple"), ""]
+    mem = bd["memory"]
+    summary = [
+        ["tok/s/GPU", _fmt(p["tok_s_per_gpu"], 2)],
+        ["TPOT (ms)", _fmt(p["tpot_ms"])], ["TTFT (ms)", _fmt(p["ttft_ms"], 1)],
+        ["stage ms (one micro-batch)", ", ".join(f"{x:.3f}" for x in bd["stage_ms"])],
+        ["tick ms / pp send ms", f"{bd['tick_ms']:.3f} / {bd['pp_send_ms']:.4f}"],
+        ["micro-batches", f"{bd['micro_batches']:g}"],
+        ["bottleneck stage: ops / tp comm / ep comm / norms ms",
+         f"{bd['ops_ms']:.3f} / {bd['tp_comm_ms']:.3f} / {bd['ep_comm_ms']:.3f} / "
+         f"{bd['norms_ms']:.3f}"],
+        ["memory/GPU (GB)", f"{p['memory_gb_per_gpu']:.2f} of {mem['hbm_gb']:g} "
+         f"(weights {mem['weights_gb']:.2f}, KV {mem['kv_cache_gb']:.2f}, "
+         f"act {mem['activations_gb']:.2f}, workspace {mem['workspace_gb']:.1f})"],
+        ["feasible", "yes" if ex.feasible else f"no: {ex.reason}"],
+    ]
+    out.append(tabulate(summary, tablefmt="simple"))
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    from shardc.api import load_model_graph
+    from shardc.cost import CostModel, load_hardware, min_gpus_needed
+
+    mesh = Mesh.parse(args.mesh)
+    workload = workload_from_args(args)
+    hw = load_hardware(args.hardware)
+    deg = _degrees(args.degrees, mesh)
+    if deg.sp > 1 and workload.phase != "prefill":
+        raise InputError("--degrees sp: sequence parallel is only modelled in prefill")
+    graph = load_model_graph(args.model)
+    need = min_gpus_needed(graph, workload, hw)
+    if need > mesh.gpus:
+        raise InfeasibleError(f"needs >= {need} GPUs to hold weights + KV cache; "
+                              f"mesh has {mesh.gpus}")
+    cm = CostModel(graph, mesh, hw, workload)
+    space = StrategySpace(graph, mesh, workload)
+    for name in ("tp", "ep", "pp"):
+        if getattr(deg, name) not in space.values[name]:
+            raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "
+                             f"model and mesh ({space.values[name]})")
+    tp_idx = space.values["tp"].index(deg.tp)
+    choices = parse_choices(args.choices, space, tp_idx)
+    batch = workload.batch
+    if batch is None:  # pick the best feasible batch candidate
+        acts = np.array([space.encode(Strategy(deg, b, choices)) for b in space.values["batch"]])
+        ev = cm.evaluate(acts, space)
+        score = np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)
+        batch = space.values["batch"][int(np.argmax(score))] if ev.feasible.any() else 1
+    strategy = Strategy(deg, int(batch), choices)
+    ex = cm.explain(strategy)
+    print(f"{graph.name} on {mesh} x {hw.name}, {workload.phase}, degrees "
+          + " ".join(f"{k}={v}" for k, v in deg.as_dict().items()) + f", batch {batch}")
+    print(report(ex))
+    if args.json:
+        doc = {"model": {"name": graph.name, "params": graph.num_params or None,
+                         "layers": graph.num_layers, "source": graph.source},
+               "mesh": {"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes,
+                        "hardware": hw.name},
+               "workload": {"phase": workload.phase, "batch": int(batch),
+                            "context": workload.context, "prompt": workload.prompt,
+                            "tpot_slo_ms": workload.tpot_slo_ms,
+                            "ttft_slo_ms": workload.ttft_slo_ms},
+               "degrees": deg.as_dict(), "choices": strategy.choice_names(),
+               "predicted": ex.predicted}
+        try:
+            Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            raise InputError(f"--json {args.json}: cannot write ({e.strerror})") from None
+    if not ex.feasible:
+        raise InfeasibleError(f"strategy infeasible: {ex.reason}")
+    return 0
