@@ -1,0 +1,224 @@
+"""Read an ``.onnx`` file into a checked, shape-inferred :class:`OnnxModel` (no weights read).
+
+Weights are never loaded: the protobuf is read with ``load_external_data=False`` and each
+external-data reference is only checked to exist and to be long enough. Then local
+functions are inlined and ONNX shape inference runs (``data_prop=True`` so that shapes
+computed by ``Shape``/``Concat``/``Reshape`` chains resolve). What the torch dynamo
+exporter leaves behind is parsed too: the exported program's graph signature
+(placeholder -> parameter FQN) and per-node provenance (FX node, module name scopes).
+
+Every failure is a one-line :class:`~shardc.errors.InputError` naming the file.
+Shapes are in elements; dtypes are spelled as torch spells them (``"bfloat16"``).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, shape_inference
+
+from shardc.errors import InputError
+
+# Oldest default-domain opset whose operators this frontend maps (opset 7 = ONNX 1.2).
+MIN_OPSET = 7
+
+_DTYPE_NAMES = {
+    TensorProto.FLOAT: "float32", TensorProto.DOUBLE: "float64", TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16", TensorProto.INT64: "int64", TensorProto.INT32: "int32",
+    TensorProto.INT16: "int16", TensorProto.INT8: "int8", TensorProto.UINT8: "uint8",
+    TensorProto.BOOL: "bool", TensorProto.FLOAT8E4M3FN: "float8_e4m3fn",
+    TensorProto.FLOAT8E5M2: "float8_e5m2",
+}
+_FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16,
+                TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2}
+
+_SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"
+_SIGNATURE_LINE = re.compile(r"^\s*(\S+):\s*PARAMETER\s+target='([^']+)'")
+_FX_HEAD = re.compile(r"^%(\S+)\s*:.*?target=([^\]]+)\]")
+
+
+def dtype_name(elem_type: int) -> str:
+    """ONNX element type -> torch's dtype name (``TensorProto.BFLOAT16`` -> ``"bfloat16"``)."""
+    return _DTYPE_NAMES.get(elem_type, onnx.helper.tensor_dtype_to_string(elem_type)
+                            .replace("TensorProto.", "").lower())
+
+
+@dataclass
+class Initializer:
+    """A constant tensor of the graph: shape (elements) and element type; data not read."""
+
+    name: str
+    shape: list[int]
+    elem_type: int
+
+    @property
+    def is_float(self) -> bool:
+        return self.elem_type in _FLOAT_TYPES
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+
+@dataclass
+class Provenance:
+    """What the torch exporter recorded for one ONNX node (empty strings when absent)."""
+
+    fx_name: str = ""  # the FX node this ONNX node was lowered from
+    fx_target: str = ""  # its op, e.g. "aten.linear.default"
+    fx_args: str = ""  # the FX node's argument text (names placeholders such as %p_...)
+    module_path: str = ""  # innermost module scope, e.g. "model.layers.0.mlp.up_proj"
+
+
+@dataclass
+class OnnxModel:
+    """A loaded, checked and shape-inferred ONNX model (see module doc)."""
+
+    path: str
+    proto: onnx.ModelProto
+    opset: int
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # value -> static shape
+    elem_types: dict[str, int] = field(default_factory=dict)  # value -> ONNX element type
+    initializers: dict[str, Initializer] = field(default_factory=dict)
+    param_targets: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter FQN
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.proto.graph
+
+    def provenance(self, node: onnx.NodeProto) -> Provenance:
+        meta = {p.key: p.value for p in node.metadata_props}
+        prov = Provenance()
+        fx = meta.get("pkg.torch.onnx.fx_node", "")
+        m = _FX_HEAD.match(fx)
+        if m:
+            prov.fx_name, prov.fx_target = m.group(1), m.group(2).replace("torch.ops.", "")
+            prov.fx_args = fx[m.end():]
+        scopes = meta.get("pkg.torch.onnx.name_scopes", "")
+        if scopes:
+            try:
+                names = ast.literal_eval(scopes)
+            except (ValueError, SyntaxError):
+                names = []
+            # the last scope is the FX node itself; the one before is its innermost module
+            modules = [s for s in names[:-1] if s]
+            prov.module_path = modules[-1] if modules else ""
+        return prov
+
+
+def _fail(path: str, what: str) -> InputError:
+    return InputError(f"{path}: {what}")
+
+
+def _check_external_data(path: str, proto: onnx.ModelProto) -> None:
+    """Every external-data reference must name an existing file long enough for it."""
+    base = Path(path).resolve().parent
+    sizes: dict[str, int] = {}
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        if not location:
+            raise _fail(path, f"initializer '{tensor.name}' has external data with no location")
+        target = (base / location).resolve()
+        if location not in sizes:
+            if not target.is_file():
+                raise _fail(path, f"external data file '{location}' (for initializer "
+                                  f"'{tensor.name}') not found in {base}")
+            sizes[location] = target.stat().st_size
+        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        if end > sizes[location]:
+            raise _fail(path, f"external data file '{location}' is truncated: initializer "
+                              f"'{tensor.name}' needs bytes up to {end}, file has {sizes[location]}")
+
+
+def _read_proto(path: str) -> onnx.ModelProto:
+    p = Path(path)
+    if not p.exists():
+        raise _fail(path, "no such file")
+    if not p.is_file():
+        raise _fail(path, "not a file")
+    try:
+        proto = onnx.load_model(os.fspath(p), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends: one line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _fail(path, f"not a readable ONNX model ({type(e).__name__}: {reason[:160]})") from e
+    if not proto.HasField("graph") or not proto.graph.node:
+        raise _fail(path, "not a readable ONNX model (no graph or an empty graph)")
+    return proto
+
+
+def _default_opset(path: str, proto: onnx.ModelProto) -> int:
+    versions = {o.domain: o.version for o in proto.opset_import}
+    if "" not in versions and "ai.onnx" not in versions:
+        raise _fail(path, "model imports no default-domain ONNX opset")
+    version = versions.get("", versions.get("ai.onnx", 0))
+    newest = onnx.defs.onnx_opset_version()
+    if version < MIN_OPSET or version > newest:
+        raise _fail(path, f"ONNX opset {version} is not supported (this frontend reads "
+                          f"opsets {MIN_OPSET}..{newest}; onnx {onnx.__version__})")
+    return version
+
+
+def _record_value(info: onnx.ValueInfoProto, shapes: dict, types: dict) -> None:
+    t = info.type.tensor_type
+    if not info.type.HasField("tensor_type"):
+        return
+    types[info.name] = t.elem_type
+    if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+        shapes[info.name] = [int(d.dim_value) for d in t.shape.dim]
+
+
+def load_onnx(path: str | os.PathLike) -> OnnxModel:
+    """Read, check and shape-infer ``path`` (see module doc); raises one-line InputError."""
+    path = os.fspath(path)
+    proto = _read_proto(path)
+    opset = _default_opset(path, proto)
+    _check_external_data(path, proto)
+    if proto.functions:
+        try:
+            proto = onnx.inliner.inline_local_functions(proto)
+        except Exception as e:
+            raise _fail(path, f"cannot inline the model's local functions: {e}") from e
+    try:
+        proto = shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _fail(path, f"ONNX shape inference failed: {reason[:200]}") from e
+
+    model = OnnxModel(path=path, proto=proto, opset=opset)
+    g = proto.graph
+    for init in g.initializer:
+        model.initializers[init.name] = Initializer(init.name, [int(d) for d in init.dims],
+                                                    init.data_type)
+        model.shapes[init.name] = [int(d) for d in init.dims]
+        model.elem_types[init.name] = init.data_type
+    for node in g.node:  # Constant nodes carry their tensor inline
+        if node.op_type == "Constant" and node.output:
+            for a in node.attribute:
+                if a.name == "value" and a.HasField("t"):
+                    model.shapes[node.output[0]] = [int(d) for d in a.t.dims]
+                    model.elem_types[node.output[0]] = a.t.data_type
+    for info in list(g.input) + list(g.value_info) + list(g.output):
+        _record_value(info, model.shapes, model.elem_types)
+
+    meta = {p.key: p.value for p in list(proto.metadata_props) + list(g.metadata_props)}
+    for line in meta.get(_SIGNATURE_KEY, "").splitlines():
+        m = _SIGNATURE_LINE.match(line)
+        if m:
+            model.param_targets[m.group(1)] = m.group(2)
+    unknown_domains = sorted({n.domain for n in g.node if n.domain not in ("", "ai.onnx")})
+    if unknown_domains:
+        model.warnings.append(f"operators from non-standard domains {unknown_domains} are "
+                              "mapped to op kind 'other'")
+    return model
