@@ -13,7 +13,7 @@ Usage::
     .venv/bin/python benchmarks/onnx_load.py            # export into a temp dir, then time the load
     .venv/bin/python benchmarks/onnx_load.py --keep DIR # keep the .onnx (never commit it)
 
-Prints the export time (s), the load time (s: ``trace_onnx`` = read + checks + shape
+Prints the export time (s), the load time (s: ``load_onnx_graph`` = read + checks + shape
 inference + IR + passes), node / parameter / layer counts.
 """
 
@@ -90,10 +90,10 @@ def main() -> int:
         path = export_weightless(out, args.layers)
         export_s = time.perf_counter() - t0
         size_mb = os.path.getsize(path) / 1e6
-        from shardc.frontends.onnx_frontend import trace_onnx
+        from shardc.frontends.onnx_frontend import load_onnx_graph
 
         t0 = time.perf_counter()
-        graph = trace_onnx(path)
+        graph = load_onnx_graph(path)
         load_s = time.perf_counter() - t0
         print(f"export (meta, dynamo, optimize=False): {export_s:.1f} s; model file {size_mb:.1f} MB "
               f"+ sparse weights.bin {os.path.getsize(out / 'weights.bin') / 1e9:.2f} GB")

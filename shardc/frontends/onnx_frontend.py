@@ -1,9 +1,10 @@
 """ONNX frontend: an ``.onnx`` file -> the same IR :class:`Graph` the torch.export frontend makes.
 
 ``trace_onnx(path)`` loads the file (:mod:`shardc.frontends.onnx_load`: checks, external
-data, shape inference; weights are never read), maps it to *raw* IR nodes here, then runs
-the same passes as the torch path (canonicalise -> fused ops -> layers), so op kinds, FLOPs
-(floating-point operations), bytes and layer kinds come from one set of formulas.
+data, shape inference; weights are never read) and maps it to *raw* IR nodes;
+:func:`shardc.frontends.load_graph` then runs the same passes as for the torch path
+(:func:`shardc.passes.run_passes`), so op kinds, FLOPs (floating-point operations), bytes
+and layer kinds come from one set of formulas.
 
 Raw IR, matching :mod:`shardc.frontends.torch_export`:
 
@@ -357,20 +358,19 @@ def _tokens(graph: Graph) -> int:
 
 
 def trace_onnx(path: str | os.PathLike, name: str = "") -> Graph:
-    """Load ``path`` and return the complete IR (canonicalised, fused ops and layer kinds).
+    """Load ``path`` into *raw* IR (see module doc); :func:`shardc.frontends.load_graph`
+    then runs :func:`shardc.passes.run_passes` on it, exactly as for a torch.export graph.
 
     Raises :class:`InputError` (one line) for a file that cannot be read."""
     model = load_onnx(path)
     graph = onnx_to_raw_graph(model, name=name)
     if not any(n.op not in ("input", "output") for n in graph.nodes):
         raise InputError(f"{os.fspath(path)}: the ONNX graph has no operators")
-    return run_ir_passes(graph)
+    return graph
 
 
-def run_ir_passes(graph: Graph) -> Graph:
-    """The passes the torch.export path runs on raw IR: canonicalise, fused ops, layers."""
-    from shardc.passes.canonicalise import canonicalise
-    from shardc.passes.fused import group_fused_ops
-    from shardc.passes.layers import group_layers
+def load_onnx_graph(path: str | os.PathLike, name: str = "") -> Graph:
+    """:func:`trace_onnx` + the shared passes: the complete IR of an ONNX file."""
+    from shardc.passes import run_passes
 
-    return group_layers(group_fused_ops(canonicalise(graph)))
+    return run_passes(trace_onnx(path, name=name))
