@@ -268,3 +268,16 @@ class Strategy:
 
     def choice_names(self) -> dict[str, str]:
         return {k: choice_name(k.split(".")[-1], v) for k, v in self.choices.items()}
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[int]:
+    """Stage index of each decoder layer: ``pp`` contiguous stages, sizes differing by at
+    most one (earlier stages take the extra layers). The embedding lives on stage 0, the
+    final norm and lm_head on stage ``pp - 1``."""
+    if pp < 1 or (num_layers and pp > num_layers):
+        raise ValueError(f"pp={pp} stages for {num_layers} layers")
+    base, extra = divmod(num_layers, pp)
+    out: list[int] = []
+    for s in range(pp):
+        out += [s] * (base + (1 if s < extra else 0))
+    return out

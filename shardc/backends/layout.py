@@ -1,0 +1,145 @@
+"""Where each parameter's sharded dims are, and the placements a strategy gives it.
+
+The strategy speaks in op terms (``shardc.ir.strategy``): choice 0 shards the op's weight
+"dim 0" (output features for a linear, vocab for the embedding), choice 1 its "dim 1"
+(input features / hidden), choice 2 replicates. How those map onto a real parameter tensor
+depends on how the model stores it: ``nn.Linear`` keeps ``[out, in]``, GPT-MoE's experts
+keep ``[E, in, out]``, HF Mixtral's ``[E, out, in]``. :data:`PARAM_ROLES` is that table,
+keyed by parameter-name patterns; the runtime (:mod:`shardc.backends.runtime`) and
+``plan.json`` (:func:`param_plan`) both read it, so the shapes the plan promises are the
+shapes the runtime makes.
+
+Placements here are per *SPMD* mesh dim: the logical mesh without ``pp`` (pipeline stages
+hold whole parameters; the stage split is :func:`shardc.ir.strategy.pipeline_stages`).
+Over ``dp`` every parameter is replicated; over ``ep`` expert weights are ``S(<expert dim>)``
+and everything else replicated; over ``tp`` the op choice decides.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from shardc.ir.strategy import Degrees, Strategy
+
+
+@dataclass(frozen=True)
+class ParamRole:
+    """How one kind of parameter relates to its fused op.
+
+    ``dims[i]`` is the tensor dim sharded by choice ``i`` (0 or 1); ``expert_dim`` the
+    stacked-expert dim (split over ep) or None; ``fused`` > 1 when the output dim packs that
+    many equal parts (q|k|v, gate|up) that must be interleaved before a column split.
+    """
+
+    op: str
+    dims: tuple[int, int]
+    expert_dim: int | None = None
+    fused: int = 1
+
+
+# (pattern on the parameter FQN, role). First match wins; unmatched parameters (norms,
+# rotary buffers) are replicated everywhere.
+PARAM_ROLES: list[tuple[re.Pattern, ParamRole]] = [
+    (re.compile(p), r) for p, r in [
+        (r"(^|\.)(embed_tokens|embed|wte)\.weight$", ParamRole("embedding", (0, 1))),
+        (r"self_attn\.[qkv]_proj\.(weight|bias)$", ParamRole("qkv", (0, 1))),
+        (r"attn\.qkv\.weight$", ParamRole("qkv", (0, 1), fused=3)),
+        (r"self_attn\.o_proj\.weight$", ParamRole("out_proj", (0, 1))),
+        (r"attn\.out\.weight$", ParamRole("out_proj", (0, 1))),
+        (r"shared_experts?\.(gate_proj|up_proj)\.weight$", ParamRole("shared_ffn1", (0, 1))),
+        (r"shared_experts?\.down_proj\.weight$", ParamRole("shared_ffn2", (0, 1))),
+        (r"mlp\.(gate_proj|up_proj)\.weight$", ParamRole("ffn1", (0, 1))),
+        (r"mlp\.down_proj\.weight$", ParamRole("ffn2", (0, 1))),
+        (r"(mlp\.gate|moe\.router)\.weight$", ParamRole("router", (0, 1))),
+        (r"experts\.gate_up_proj$", ParamRole("expert_ffn1", (1, 2), expert_dim=0, fused=2)),
+        (r"experts\.down_proj$", ParamRole("expert_ffn2", (1, 2), expert_dim=0)),
+        (r"experts\.w_in$", ParamRole("expert_ffn1", (2, 1), expert_dim=0)),
+        (r"experts\.w_out$", ParamRole("expert_ffn2", (2, 1), expert_dim=0)),
+        (r"(^|\.)lm_head\.weight$", ParamRole("lm_head", (0, 1))),
+    ]
+]
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def param_role(fqn: str) -> ParamRole | None:
+    for pat, role in PARAM_ROLES:
+        if pat.search(fqn):
+            return role
+    return None
+
+
+def layer_of(fqn: str) -> int | None:
+    m = _LAYER_RE.search(fqn)
+    return int(m.group(1)) if m else None
+
+
+def spmd_dims(degrees: Degrees) -> list[str]:
+    """Names of the logical mesh dims that shard tensors (the logical mesh minus pp)."""
+    shape, names = degrees.logical_mesh()
+    return [n for n, s in zip(names, shape) if n != "pp" and s > 1]
+
+
+def choice_key(op: str, layer_kind: str | None) -> str:
+    return op if layer_kind is None else f"{layer_kind}.{op}"
+
+
+def op_choice(strategy: Strategy, op: str, layer_kind: str | None) -> int:
+    """Choice index of ``op`` in ``layer_kind`` (2 = replicate when the strategy has none)."""
+    return int(strategy.choices.get(choice_key(op, layer_kind), 2))
+
+
+def param_placements(fqn: str, ndim: int, strategy: Strategy,
+                     kind_of_layer: dict[int, str]) -> list[str]:
+    """Placements (``"S(d)"`` / ``"R"``) of parameter ``fqn`` per SPMD mesh dim."""
+    role = param_role(fqn)
+    layer = layer_of(fqn)
+    kind = kind_of_layer.get(layer) if layer is not None else None
+    out = []
+    for dim in spmd_dims(strategy.degrees):
+        p = "R"
+        if role is not None and dim == "ep" and role.expert_dim is not None:
+            p = f"S({role.expert_dim})"
+        elif role is not None and dim == "tp":
+            c = op_choice(strategy, role.op, kind)
+            if c in (0, 1) and role.dims[c] < ndim:
+                p = f"S({role.dims[c]})"
+        out.append(p)
+    if role is not None and role.op == "qkv" and fqn.endswith("bias") and "S(1)" in out:
+        out = ["R" for _ in out]  # a bias has no input dim: row-parallel keeps it whole
+    return out
+
+
+def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> list[int]:
+    """Per-rank shape of a tensor of global ``shape`` under ``placements`` (SPMD dims)."""
+    out = list(shape)
+    for dim, p in zip(spmd_dims(degrees), placements):
+        if p.startswith("S("):
+            d = int(p[2:-1])
+            n = getattr(degrees, dim)
+            out[d] = -(-out[d] // n)
+    return out
+
+
+def param_plan(params: list[tuple[str, list[int]]], strategy: Strategy,
+               kind_of_layer: dict[int, str]) -> list[dict]:
+    """plan.json ``params``: [{fqn, shape, placements, local_shape, stage}]."""
+    from shardc.ir.strategy import pipeline_stages
+
+    num_layers = len(kind_of_layer)
+    stages = pipeline_stages(num_layers, strategy.degrees.pp) if num_layers else []
+    rows = []
+    for fqn, shape in params:
+        pl = param_placements(fqn, len(shape), strategy, kind_of_layer)
+        layer = layer_of(fqn)
+        role = param_role(fqn)
+        if layer is not None and layer < len(stages):
+            stage = stages[layer]
+        elif role is not None and role.op == "embedding":
+            stage = 0
+        else:  # final norm, lm_head
+            stage = strategy.degrees.pp - 1
+        rows.append({"fqn": fqn, "shape": list(shape), "placements": pl,
+                     "local_shape": local_shape(list(shape), pl, strategy.degrees),
+                     "stage": stage})
+    return rows

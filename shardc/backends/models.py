@@ -1,0 +1,224 @@
+"""Where the fused ops live in the model families the DTensor backend knows.
+
+An adapter answers "which modules run op X of layer i" for one family: HF decoder-only
+causal LMs in the Llama mould (``model.model.layers[i].self_attn.{q,k,v,o}_proj``, dense
+``mlp.{gate,up,down}_proj`` or a sparse MoE block ``mlp.gate`` + ``mlp.experts`` with 3-D
+expert weights: Llama, Mistral, Mixtral, Qwen2/3(-MoE)) and shardc's plain GPT-MoE
+(``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
+with a clear message rather than silently left unsharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardc.errors import InputError
+
+
+@dataclass
+class AttentionSite:
+    module: nn.Module
+    qkv: list[tuple[nn.Module, str]]  # (module, fqn prefix); one packed or three separate
+    out: tuple[nn.Module, str]
+    fused: int  # 3 when q|k|v is one packed linear
+    heads: int
+    kv_heads: int
+
+
+@dataclass
+class MoESite:
+    block: nn.Module
+    prefix: str
+    router: tuple[nn.Module, str]  # module holding ``weight`` [E, hidden]
+    experts: nn.Module
+    w1: str  # attribute names on ``experts``
+    w2: str
+    transposed: bool  # True: weights stored [E, out, in] (HF); False: [E, in, out]
+    gated: bool
+    act: object
+    top_k: int
+    num_experts: int
+
+
+@dataclass
+class LayerSites:
+    index: int
+    module: nn.Module
+    prefix: str
+    attention: AttentionSite
+    norms: list[tuple[nn.Module, str]]
+    mlp: tuple[list[tuple[nn.Module, str]], tuple[nn.Module, str]] | None = None
+    moe: MoESite | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class HFCausalLM:
+    """HF ``*ForCausalLM`` with a Llama-style decoder."""
+
+    family = "hf"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner = model.model
+        self.config = model.config
+
+    @staticmethod
+    def accepts(model: nn.Module) -> bool:
+        inner = getattr(model, "model", None)
+        return (hasattr(model, "lm_head") and inner is not None and hasattr(inner, "layers")
+                and hasattr(inner, "embed_tokens")
+                and hasattr(inner.layers[0], "self_attn")
+                and hasattr(inner.layers[0].self_attn, "q_proj"))
+
+    @property
+    def embedding(self):
+        return self.inner.embed_tokens, "model.embed_tokens"
+
+    @property
+    def final_norm(self):
+        return self.inner.norm, "model.norm"
+
+    @property
+    def lm_head(self):
+        return self.model.lm_head, "lm_head"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.layers)
+
+    def layer(self, i: int) -> LayerSites:
+        lay, pre = self.inner.layers[i], f"model.layers.{i}"
+        a = lay.self_attn
+        cfg = self.config
+        att = AttentionSite(a, [(getattr(a, n), f"{pre}.self_attn.{n}")
+                                for n in ("q_proj", "k_proj", "v_proj")],
+                            (a.o_proj, f"{pre}.self_attn.o_proj"), 1,
+                            cfg.num_attention_heads, cfg.num_key_value_heads)
+        norms = [(lay.input_layernorm, f"{pre}.input_layernorm"),
+                 (lay.post_attention_layernorm, f"{pre}.post_attention_layernorm")]
+        sites = LayerSites(i, lay, pre, att, norms)
+        mlp = lay.mlp
+        if hasattr(mlp, "experts"):
+            if getattr(mlp, "shared_experts", None) is not None:
+                raise InputError(f"{pre}.mlp: shared experts are not supported by the DTensor backend yet")
+            ex = mlp.experts
+            sites.moe = MoESite(mlp, f"{pre}.mlp", (mlp.gate, f"{pre}.mlp.gate"), ex,
+                                "gate_up_proj", "down_proj", True, True, ex.act_fn,
+                                int(getattr(mlp, "top_k", cfg.num_experts_per_tok)),
+                                int(ex.num_experts))
+        else:
+            sites.mlp = ([(mlp.gate_proj, f"{pre}.mlp.gate_proj"),
+                          (mlp.up_proj, f"{pre}.mlp.up_proj")],
+                         (mlp.down_proj, f"{pre}.mlp.down_proj"))
+        return sites
+
+    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
+        return _HFStage(self, layers, first, last)
+
+
+class _HFStage(nn.Module):
+    def __init__(self, ad: HFCausalLM, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.embed = ad.inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(ad.inner.layers[i] for i in layers)
+        self.rotary = ad.inner.rotary_emb
+        self.norm = ad.inner.norm if last else None
+        self.lm_head = ad.model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.first else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pe = self.rotary(h, position_ids=pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        if self.last:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+class GPTMoEModel:
+    """shardc's plain GPT-MoE (``examples/gpt_moe.py``)."""
+
+    family = "gpt_moe"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+
+    @staticmethod
+    def accepts(model: nn.Module) -> bool:
+        return (hasattr(model, "embed") and hasattr(model, "layers") and hasattr(model, "ln_f")
+                and hasattr(model.layers[0], "attn") and hasattr(model.layers[0].attn, "qkv"))
+
+    @property
+    def embedding(self):
+        return self.model.embed, "embed"
+
+    @property
+    def final_norm(self):
+        return self.model.ln_f, "ln_f"
+
+    @property
+    def lm_head(self):
+        return self.model.lm_head, "lm_head"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def layer(self, i: int) -> LayerSites:
+        lay, pre = self.model.layers[i], f"layers.{i}"
+        a, cfg = lay.attn, self.config
+        att = AttentionSite(a, [(a.qkv, f"{pre}.attn.qkv")], (a.out, f"{pre}.attn.out"), 3,
+                            cfg.num_heads, cfg.num_heads)
+        norms = [(lay.ln_attn, f"{pre}.ln_attn"), (lay.ln_moe, f"{pre}.ln_moe")]
+        moe = lay.moe
+        site = MoESite(moe, f"{pre}.moe", (moe.router, f"{pre}.moe.router"), moe.experts,
+                       "w_in", "w_out", False, False, F.gelu, cfg.top_k, cfg.num_experts)
+        return LayerSites(i, lay, pre, att, norms, moe=site)
+
+    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
+        return _GPTStage(self.model, layers, first, last)
+
+
+class _GPTStage(nn.Module):
+    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleList(model.layers[i] for i in layers)
+        self.ln_f = model.ln_f if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.first else x
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.ln_f(h)) if self.last else h
+
+
+ADAPTERS = (HFCausalLM, GPTMoEModel)
+
+
+def adapter_for(model: nn.Module):
+    for cls in ADAPTERS:
+        if cls.accepts(model):
+            return cls(model)
+    raise InputError(f"the DTensor backend does not know the layout of {type(model).__name__} "
+                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, shardc GPT-MoE)")
+
+
+def default_layer_kinds(model: nn.Module) -> dict[int, str]:
+    """Layer index -> kind when no IR is at hand: ``moe_block`` for layers with experts,
+    ``dense_block`` otherwise (the layer-grouping pass's names for these families)."""
+    ad = adapter_for(model)
+    out = {}
+    for i in range(ad.num_layers):
+        s = ad.layer(i)
+        out[i] = "moe_block" if s.moe is not None else "dense_block"
+    return out

@@ -1,0 +1,112 @@
+"""Model boundary: batch split over dp/ep, and pipeline stages (``torch.distributed.pipelining``).
+
+Over ``dp`` and ``ep`` every rank serves its own slice of the batch (attention is data
+parallel over ep; the experts exchange tokens by all-to-all). The sharded model still takes
+the *global* batch and returns global logits, so it is a drop-in replacement: its input is
+sliced to this rank's rows and its logits are all-gathered back over dp and ep (these two
+boundary collectives are serving I/O, not part of a decode step, and are not charged).
+
+With pp > 1 each rank keeps the layers of its stage (contiguous, balanced:
+:func:`shardc.ir.strategy.pipeline_stages`) and runs a ``ScheduleGPipe`` forward-only
+(``eval``) with one micro-batch; activations cross stages between ranks with the same
+dp/ep/tp coordinates. The wrapper returns logits on the last stage and None elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+
+def _batch_split(rt) -> tuple[int, int]:
+    """(number of batch slices over dp x ep, this rank's slice)."""
+    n, idx = 1, 0
+    for d in rt.dims:
+        if d in ("dp", "ep"):
+            size = getattr(rt.degrees, d)
+            idx = idx * size + rt.mesh.get_local_rank(d)
+            n *= size
+    return n, idx
+
+
+def local_batch(x: torch.Tensor, rt) -> torch.Tensor:
+    n, idx = _batch_split(rt)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"batch {x.shape[0]} does not split over dp x ep = {n} ranks")
+    return x.chunk(n, dim=0)[idx]
+
+
+def gather_batch(y: torch.Tensor, rt) -> torch.Tensor:
+    n, _ = _batch_split(rt)
+    if n == 1:
+        return y
+    return rt.wrap(y.contiguous(), "R").full_tensor()
+
+
+def install_batch_io(model: nn.Module, rt) -> None:
+    """Slice the global batch on the way in, gather the logits on the way out."""
+    if _batch_split(rt)[0] == 1:
+        return
+
+    def pre(mod, args, kwargs):
+        if args:
+            return (local_batch(args[0], rt), *args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["input_ids"] = local_batch(kwargs["input_ids"], rt)
+        return args, kwargs
+
+    def post(mod, args, kwargs, out):
+        if isinstance(out, torch.Tensor):
+            return gather_batch(out, rt)
+        out.logits = gather_batch(out.logits, rt)
+        return out
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
+
+
+class PipelinedModel(nn.Module):
+    """This rank's pipeline stage of a sharded model; ``forward(input_ids)`` runs the whole
+    pipeline (every rank calls it) and returns the logits on the last stage, else None."""
+
+    def __init__(self, sharder):
+        super().__init__()
+        self.rt = sharder.rt
+        deg = sharder.strategy.degrees
+        self.num_stages, self.stage_index = deg.pp, sharder.stage
+        layers = [i for i, s in enumerate(sharder.stage_of_layer) if s == self.stage_index]
+        self.stage_module = sharder.adapter.stage(layers, self.stage_index == 0,
+                                                  self.stage_index == deg.pp - 1)
+        self.group = sharder.world_mesh.get_group("pp")
+        self.hidden = int(getattr(sharder.adapter.config, "hidden_size", 0))
+        self.vocab = int(getattr(sharder.adapter.config, "vocab_size", 0))
+        self.dtype = next(p for p in self.stage_module.parameters()).dtype
+        self._schedules: dict[tuple, ScheduleGPipe] = {}
+
+    def _schedule(self, b: int, s: int, device) -> ScheduleGPipe:
+        key = (b, s)
+        if key not in self._schedules:
+            rows = b // self.rt.tp if self.rt.residual == "S(0)" else b
+            hidden = torch.zeros(rows, s, self.hidden, dtype=self.dtype, device=device)
+            first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+            inp = torch.zeros(b, s, dtype=torch.long, device=device) if first else hidden
+            out = torch.zeros(b, s, self.vocab, dtype=self.dtype, device=device) if last \
+                else hidden
+            stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, device,
+                                  input_args=(inp,), output_args=(out,), group=self.group)
+            self._schedules[key] = ScheduleGPipe(stage, n_microbatches=1)
+        return self._schedules[key]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        ids = local_batch(input_ids, self.rt)
+        sched = self._schedule(ids.shape[0], ids.shape[1], ids.device)
+        if self.stage_index == 0:
+            out = sched.eval(ids)
+        else:
+            out = sched.eval()
+        if self.stage_index != self.num_stages - 1:
+            return None
+        return gather_batch(out, self.rt)

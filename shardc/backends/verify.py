@@ -1,0 +1,151 @@
+"""Run strategies on N local gloo processes and compare the logits with the unsharded model.
+
+One launch runs a whole list of strategies (process start-up dominates the cost): every rank
+builds the model from the same seed, computes the reference logits unsharded, then for each
+strategy builds a fresh copy, shards it (:func:`shardc.backends.apply.apply`), runs the same
+batch and reports ``max |sharded - reference| / max |reference|`` from the ranks that hold
+logits (the last pipeline stage). Loopback only (127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from shardc.ir.strategy import Degrees, Strategy
+
+
+@dataclass
+class Case:
+    """One strategy to check: ``choices`` by name or index, ``layer_kinds`` kind -> layers."""
+
+    name: str
+    degrees: dict
+    choices: dict
+    layer_kinds: dict | None = None
+
+    def strategy(self) -> Strategy:
+        from shardc.ir.strategy import CHOICE_NAMES
+
+        ch = {}
+        for k, v in self.choices.items():
+            ch[k] = v if isinstance(v, int) else CHOICE_NAMES[k.split(".")[-1]].index(v)
+        return Strategy(Degrees(**self.degrees), batch=1, choices=ch)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, model_ref: str, cases: list[dict], batch: int,
+            seq: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from shardc.backends.apply import apply
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = []
+    try:
+        model, ids = _build(model_ref, batch, seq)
+        with torch.no_grad():
+            ref = _logits(model(ids))
+        for c in cases:
+            case = Case(**c)
+            res = {"name": case.name}
+            try:
+                sharded = apply(_build(model_ref, batch, seq)[0], case.strategy(),
+                                layer_kinds=case.layer_kinds)
+                with torch.no_grad():
+                    out = sharded(ids)
+                if out is not None:
+                    out = _logits(out)
+                    res["rel_err"] = float((out - ref).abs().max() / ref.abs().max())
+                    res["shape_ok"] = list(out.shape) == list(ref.shape)
+            except Exception as e:  # reported per case; the other cases still run
+                res["error"] = f"{type(e).__name__}: {e}"
+                if os.environ.get("SHARDC_DEBUG"):
+                    import traceback
+
+                    res["error"] += "\n" + traceback.format_exc()
+            results.append(res)
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _build(model_ref: str, batch: int, seq: int):
+    """``model_ref`` = path of a model file (tiny_model) or ``module:function``."""
+    if model_ref.endswith(".py"):
+        from shardc.frontends.model_file import load_model_file
+
+        src = load_model_file(model_ref)
+        model, _ = src.build(tiny=True)
+    else:
+        import importlib
+
+        mod, fn = model_ref.split(":")
+        model = getattr(importlib.import_module(mod), fn)()
+    model = model.float().eval()
+    vocab = _vocab(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g, dtype=torch.long)
+    return model, ids
+
+
+def _vocab(model) -> int:
+    cfg = model.config
+    return int(getattr(cfg, "vocab_size"))
+
+
+def _logits(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None = None,
+              seq: int = 8, timeout_s: float = 600) -> list[dict]:
+    """Run ``cases`` on ``world`` gloo processes; returns per case {name, rel_err, error}
+    (the worst over ranks holding logits)."""
+    import torch.multiprocessing as mp
+
+    batch = batch or max(world, 2)
+    if model_ref.endswith(".py"):
+        model_ref = os.path.abspath(model_ref)
+    with tempfile.TemporaryDirectory(prefix="shardc-verify-") as tmp:
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), model_ref,
+                                                [c.__dict__ for c in cases], batch, seq, tmp),
+                                 nprocs=world, join=False, start_method="spawn")
+        while not ctx.join(timeout=timeout_s):
+            pass
+        per_rank = []
+        for r in range(world):
+            p = os.path.join(tmp, f"rank{r}.json")
+            per_rank.append(json.load(open(p)) if os.path.exists(p) else [])
+    merged = []
+    for i, c in enumerate(cases):
+        res = {"name": c.name, "rel_err": None, "error": None}
+        for rank_res in per_rank:
+            if i >= len(rank_res):
+                res["error"] = res["error"] or "a rank did not finish"
+                continue
+            rr = rank_res[i]
+            if rr.get("error"):
+                res["error"] = res["error"] or rr["error"]
+            if rr.get("rel_err") is not None:
+                res["rel_err"] = max(res["rel_err"] or 0.0, rr["rel_err"])
+            if rr.get("shape_ok") is False:
+                res["error"] = res["error"] or "logits shape differs"
+        if res["rel_err"] is None and not res["error"]:
+            res["error"] = "no rank produced logits"
+        merged.append(res)
+    return merged
