@@ -15,14 +15,18 @@ Raw IR, matching :mod:`shardc.frontends.torch_export`:
   types it became, ``module_path`` = the innermost module, ``layer`` = its first numeric
   component. Shapes are the ONNX-inferred ones.
 * Other files: one IR node per ONNX node, ``target = "onnx.<OpType>"`` and the op kind from
-  :data:`shardc.frontends.onnx_ops.ONNX_KIND`; unknown ops become ``other`` with a warning.
+  :data:`shardc.frontends.onnx_ops.ONNX_KIND` (``MatMul``/``Gemm`` reading a parameter ->
+  ``linear``); unknown ops become ``other`` with a warning. Module paths come from scoped
+  node names (``/model/layers.0/mlp/up_proj/MatMul``) when present.
 * Parameters: the exporter's graph signature (``placeholder -> FQN``) names every parameter.
   An initializer named by its FQN is that parameter; one the exporter's optimiser produced
   by constant-folding a parameter (``val_123`` = ``W^T`` for a linear) is matched to the
   parameter its consuming FX node reads (``%p_model_..._weight``), with the torch shape
   restored (``[in, out]`` -> ``[out, in]``). So ``Graph.num_params`` is exact. Without a
-  signature, floating-point initializers whose name looks like a parameter (contains a
-  ``.``, ``weight`` or ``bias``) are taken as parameters and a warning says so.
+  signature, floating-point initializers used as a weight (``MatMul``/``Gemm`` B input,
+  ``Gather*`` table) or named like a parameter (contains a ``.``, ``weight`` or ``bias``) are
+  taken as parameters and a warning says so (identical tensors an optimiser merged into one
+  initializer are then counted once).
   Pure views/casts of a parameter are aliases; the :class:`Param` is attached to the node
   that consumes it. Non-parameter constants (folded rotary tables, masks) are not inputs.
 """
@@ -118,9 +122,12 @@ class _ParamResolver:
         param = None
         refs = [self.targets[p] for p in _PLACEHOLDER_REF.findall(prov.fx_args)
                 if p in self.targets]
-        if not self.targets:  # no exporter signature: guess from the name
+        if not self.targets:  # no exporter signature: guess from the name and the use
             low = name.lower()
-            if init.is_float and init.numel > 1 and ("." in name or "weight" in low or "bias" in low):
+            weight_use = ((consumer.op_type in ("MatMul", "Gemm") and index == 1)
+                          or (consumer.op_type.startswith("Gather") and index == 0))
+            if init.is_float and init.numel > 1 and (
+                    weight_use or "." in name or "weight" in low or "bias" in low):
                 self.guessed = True
                 param = self._make(name, list(init.shape), init.elem_type)
         elif name in refs or (name in self.fqn_set and not refs):
@@ -254,9 +261,9 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
         node_name = _unique(prov.fx_name or grp.nodes[-1].name or main, used_names)
         used_names.add(node_name)
         out_values = [v for v in grp.nodes[-1].output if v]
-        module_path = prov.module_path
-        if not prov.fx_target and inputs and inputs[0] in by_name:  # lowered without provenance
-            module_path = by_name[inputs[0]].module_path
+        module_path = prov.module_path or _scope_path(grp.nodes[-1].name)
+        if not module_path and not prov.fx_target and inputs and inputs[0] in by_name:
+            module_path = by_name[inputs[0]].module_path  # e.g. a Split the optimiser made
         node = Node(name=node_name, op="other", inputs=inputs, input_shapes=in_shapes,
                     output_shape=model.shapes.get(main, []),
                     dtype=dtype_name(model.elem_types.get(main, 0)), params=params,
@@ -273,6 +280,8 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
             only = grp.nodes[-1]
             node.target = f"onnx.{only.op_type}"
             node.op = onnx_kind(only.op_type, only.domain)
+            if node.op == "matmul" and params:
+                node.op = "linear"
             if node.op == "other":
                 unknown.add(only.op_type)
         if len(out_values) > 1:
@@ -337,6 +346,15 @@ def _order_by_fx_args(values: list[str], fx_args: str) -> list[str]:
         elif r not in values and spare:
             out.append(spare.pop(0))
     return out + [v for v in values if v not in out]
+
+
+def _scope_path(onnx_name: str) -> str:
+    """Module path from a scoped node name (TorchScript exporter):
+    ``/model/layers.0/self_attn/q_proj/MatMul`` -> ``model.layers.0.self_attn.q_proj``."""
+    if not onnx_name.startswith("/"):
+        return ""
+    parts = [p for p in onnx_name.split("/")[1:-1] if p]
+    return ".".join(parts)
 
 
 def _unique(name: str, used: set[str]) -> str:
