@@ -30,6 +30,18 @@ from shardc.backends.runtime import ShardingRuntime
 from shardc.ir.strategy import Strategy, pipeline_stages
 
 
+def strategy_from_names(degrees: dict, choices: dict, batch: int = 1) -> Strategy:
+    """Strategy from plan-style data: ``{"tp": 8, ...}`` and ``{"<kind>.<op>": "col", ...}``
+    (choice names or indices)."""
+    from shardc.ir.strategy import CHOICE_NAMES, Degrees
+
+    idx = {}
+    for slot, c in choices.items():
+        names = CHOICE_NAMES[slot.split(".")[-1]]
+        idx[slot] = c if isinstance(c, int) else names.index(c)
+    return Strategy(Degrees(**degrees), int(batch), idx)
+
+
 def make_mesh(strategy: Strategy, device_type: str | None = None) -> DeviceMesh:
     """``init_device_mesh`` with the strategy's logical mesh (SPEC section 4)."""
     shape, names = strategy.degrees.logical_mesh()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardc.ir.strategy import Degrees, Strategy
+from shardc.ir.strategy import Strategy
 
 
 @dataclass
@@ -29,13 +29,13 @@ class Case:
     choices: dict
     layer_kinds: dict | None = None
 
-    def strategy(self) -> Strategy:
-        from shardc.ir.strategy import CHOICE_NAMES
+    code: str | None = None  # path of a parallelize.py to run instead of apply()
+    corrupt: bool = False  # perturb one local shard after sharding (checks the checker)
 
-        ch = {}
-        for k, v in self.choices.items():
-            ch[k] = v if isinstance(v, int) else CHOICE_NAMES[k.split(".")[-1]].index(v)
-        return Strategy(Degrees(**self.degrees), batch=1, choices=ch)
+    def strategy(self) -> Strategy:
+        from shardc.backends.apply import strategy_from_names
+
+        return strategy_from_names(self.degrees, self.choices)
 
 
 def _free_port() -> int:
@@ -62,8 +62,13 @@ def _worker(rank: int, world: int, port: int, model_ref: str, cases: list[dict],
             case = Case(**c)
             res = {"name": case.name}
             try:
-                sharded = apply(_build(model_ref, batch, seq)[0], case.strategy(),
-                                layer_kinds=case.layer_kinds)
+                fresh = _build(model_ref, batch, seq)[0]
+                if case.code:
+                    sharded = _load_code(case.code).parallelize(fresh)
+                else:
+                    sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds)
+                if case.corrupt and rank == 0:
+                    _perturb(sharded)
                 with torch.no_grad():
                     out = sharded(ids)
                 if out is not None:
@@ -82,6 +87,25 @@ def _worker(rank: int, world: int, port: int, model_ref: str, cases: list[dict],
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
+
+
+def _load_code(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_shardc_parallelize_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _perturb(model) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.ndim >= 2:
+            with torch.no_grad():
+                p.to_local().mul_(1.05)
+            return
 
 
 def _build(model_ref: str, batch: int, seq: int):

@@ -1,0 +1,220 @@
+"""Annotation pass: a strategy -> DTensor placements on every IR node.
+
+``annotate(graph, strategy)`` returns a copy of ``graph`` where every node carries
+
+* ``placements``: the placement of its output on each SPMD mesh dim, i.e. the logical mesh
+  (:meth:`Degrees.logical_mesh`) *without* ``pp``, in the same order (dp, ep, tp; only dims
+  of size > 1), spelt ``"S(d)"`` / ``"R"`` / ``"P(sum)"``. Activations are ``S(0)`` (batch
+  split) over dp and ep; over tp the fused ops of each branch follow the walk of
+  :func:`shardc.ir.strategy.op_placements`; views, elementwise ops and norms follow their
+  producer. A single-GPU plan annotates ``["R"]`` on a size-1 ``tp`` dim.
+* ``stage``: the pipeline stage holding the node (``pp`` is represented only here:
+  :func:`shardc.ir.strategy.pipeline_stages`; embedding on stage 0, lm_head on the last).
+* ``redistribute`` on the node that consumes a repaired tensor (the first consumer of the
+  producing op's output -- where the DTensor runtime issues the collective, before any
+  non-linear op -- or the entry node of a branch's first op):
+  ``{collective, mesh_dim, bytes, src, dst, branch, before_op}``; ``before_op`` is the op
+  of :func:`shardc.ir.strategy.branch_collectives` (``"<end>"`` for the branch end,
+  ``"dispatch"`` / ``"combine"`` for the expert all-to-alls over ep). A node that carries
+  two repairs lists the second under ``"also"``.
+
+Collectives come from :func:`shardc.ir.strategy.branch_collectives`, the walk the cost
+model's tables are built from. ``bytes`` follows the cost model's accounting: full tensor
+bytes = ``tokens x width x act_bytes`` with ``width`` the producing op's output features
+(the branch input width for the first op); for the ep all-to-alls, per-rank bytes
+``tokens x top_k x hidden x act_bytes``. ``tokens`` defaults to the traced tokens.
+"""
+
+from __future__ import annotations
+
+from shardc.ir.graph import FusedOp, Graph, LayerKind
+from shardc.ir.strategy import (
+    BRANCHES,
+    GLOBAL_OPS,
+    Strategy,
+    branch_collectives,
+    dtensor_spelling,
+    op_placements,
+    pipeline_stages,
+    residual_placement,
+)
+
+
+def spmd_dims(strategy: Strategy) -> list[str]:
+    """Mesh dims the placements list refers to (logical mesh minus pp; ``["tp"]`` if none)."""
+    shape, names = strategy.degrees.logical_mesh()
+    dims = [n for n, s in zip(names, shape) if n != "pp" and s > 1]
+    return dims or ["tp"]
+
+
+def _out_width(fop: FusedOp) -> int:
+    if fop.name == "attn_core":
+        a = fop.attrs
+        return int(fop.out_features or a.get("heads", 0) * a.get("v_head_dim", a.get("head_dim", 0)))
+    return int(fop.out_features)
+
+
+class _BranchPlan:
+    """One branch of one layer kind (or a global op): placements and repairs of its walk."""
+
+    def __init__(self, name: str, fops: list[FusedOp], choices: list[int], start: str, end: str,
+                 hidden: int):
+        self.name, self.fops = name, fops
+        self.ops = tuple(f.name for f in fops)
+        self.produced: dict[str, str] = {}
+        cur = start
+        for op, c in zip(self.ops, choices):
+            _, cur = op_placements(op, c, cur)
+            self.produced[op] = cur
+        self.walk = branch_collectives(self.ops, choices, start, end)
+        first_width = hidden if name == "experts" else (1 if name == "embedding"
+                                                        else fops[0].in_features)
+        self.width_before = {self.ops[0]: first_width}
+        for i in range(1, len(self.ops)):
+            self.width_before[self.ops[i]] = _out_width(fops[i - 1])
+        self.width_before["<end>"] = _out_width(fops[-1])
+
+    def repair_before(self, op: str):
+        for before, src, dst, coll in self.walk:
+            if before == op:
+                return src, dst, coll
+        return None
+
+    def repair_after(self, op: str):
+        """The repair of this op's output (before the next op, or at the branch end)."""
+        i = self.ops.index(op)
+        nxt = self.ops[i + 1] if i + 1 < len(self.ops) else "<end>"
+        r = self.repair_before(nxt)
+        return (nxt, *r) if r else None
+
+
+def _branches_of(kind: LayerKind | None, graph: Graph, strategy: Strategy, residual: str
+                 ) -> list[_BranchPlan]:
+    hidden = int(graph.config.get("hidden", 0) or 0)
+    out = []
+    if kind is None:
+        for op in GLOBAL_OPS:
+            fop = graph.global_op(op)
+            if fop is None:
+                continue
+            start, end = ("R", residual) if op == "embedding" else (residual, "R")
+            out.append(_BranchPlan(op, [fop], [int(strategy.choices.get(op, 2))], start, end,
+                                   hidden))
+        return out
+    for bname, ops in BRANCHES.items():
+        fops = [kind.op(o) for o in ops]
+        if any(f is None for f in fops):
+            continue
+        choices = [int(strategy.choices.get(f"{kind.name}.{o}", 2)) for o in ops]
+        out.append(_BranchPlan(bname, fops, choices, residual, residual, hidden))
+    return out
+
+
+def annotate(graph: Graph, strategy: Strategy, tokens: int | None = None,
+             act_bytes: int | None = None) -> Graph:
+    """Return a copy of ``graph`` with placements, stages and redistributions on every node."""
+    g = Graph.from_dict(graph.to_dict())
+    deg = strategy.degrees
+    dims = spmd_dims(strategy)
+    residual = residual_placement(deg)
+    tokens = int(tokens or g.tokens or 1)
+    act_bytes = int(act_bytes or g.config.get("dtype_bytes", 2) or 2)
+    top_k = int(g.config.get("top_k", 0) or 0)
+    hidden = int(g.config.get("hidden", 0) or 0)
+    num_layers = max(g.num_layers, 1)
+    stages = pipeline_stages(g.num_layers, min(deg.pp, num_layers)) if g.num_layers else []
+
+    plans: dict[str | None, list[_BranchPlan]] = {None: _branches_of(None, g, strategy, residual)}
+    for k in g.layer_kinds:
+        plans[k.name] = _branches_of(k, g, strategy, residual)
+    op_plan: dict[tuple[str | None, str], _BranchPlan] = {
+        (kname, op): bp for kname, bps in plans.items() for bp in bps for op in bp.ops}
+
+    # the entry (first) and exit (last) node of each fused op instance, per layer
+    first_node: dict[tuple, str] = {}
+    last_node: dict[tuple, str] = {}
+    for n in g.nodes:
+        if n.fused_op is None:
+            continue
+        key = (n.layer, n.layer_kind, n.fused_op)
+        first_node.setdefault(key, n.name)
+        last_node[key] = n.name
+
+    def mark(bp: _BranchPlan, before: str, src: str, dst: str, coll: str, mesh_dim: str = "tp",
+             nbytes: int | None = None) -> dict:
+        if nbytes is None:
+            nbytes = tokens * bp.width_before[before] * act_bytes
+        return {"collective": coll, "mesh_dim": mesh_dim, "bytes": int(nbytes),
+                "src": dtensor_spelling(src), "dst": dtensor_spelling(dst),
+                "branch": bp.name, "before_op": before}
+
+    def attach(node, red: dict) -> None:
+        if node.redistribute is None:
+            node.redistribute = red
+        else:
+            node.redistribute.setdefault("also", []).append(red)
+
+    seen_layer = False
+    eff: dict[str, str] = {}  # placement consumers of a node see (after a repair)
+    pending: dict[str, dict] = {}  # producer -> repair to attach to its first consumer
+    for n in g.nodes:
+        for i in n.inputs:
+            if i in pending:
+                attach(n, pending.pop(i))
+        kname = n.layer_kind if n.layer is not None else None
+        bp = op_plan.get((kname, n.fused_op)) if n.fused_op else None
+        key = (n.layer, n.layer_kind, n.fused_op)
+        if n.op == "input":
+            tp = "R"
+        elif bp is not None:
+            tp = bp.produced[n.fused_op]
+            if first_node.get(key) == n.name:
+                if n.fused_op == bp.ops[0]:
+                    r = bp.repair_before(n.fused_op)
+                    if r:
+                        attach(n, mark(bp, n.fused_op, *r))
+                if bp.name == "experts" and n.fused_op == "expert_ffn1" and deg.ep > 1:
+                    attach(n, mark(bp, "dispatch", "S(0)", "S(0)", "all_to_all", "ep",
+                                   tokens * top_k * hidden * act_bytes))
+        else:
+            ins = [eff[i] for i in n.inputs if i in eff]
+            tp = next((p for p in ins if p != "R"), "R")
+        eff[n.name] = tp
+        if bp is not None and last_node.get(key) == n.name:
+            after = bp.repair_after(n.fused_op)
+            if after:
+                before, src, dst, coll = after
+                pending[n.name] = mark(bp, before, src, dst, coll)
+                eff[n.name] = dst
+            if bp.name == "experts" and n.fused_op == "expert_ffn2" and deg.ep > 1:
+                red = mark(bp, "combine", "S(0)", "S(0)", "all_to_all", "ep",
+                           tokens * top_k * hidden * act_bytes)
+                if n.name in pending:
+                    pending[n.name].setdefault("also", []).append(red)
+                else:
+                    pending[n.name] = red
+        n.placements = [("S(0)" if d in ("dp", "ep") else dtensor_spelling(tp)) for d in dims]
+        if n.layer is not None and n.layer < len(stages):
+            n.stage = stages[n.layer]
+        else:  # outside the layers: before the first layer stage 0, after it the last
+            n.stage = deg.pp - 1 if seen_layer else 0
+        seen_layer = seen_layer or n.layer is not None
+    for producer, red in pending.items():  # repairs of graph outputs: on the producer
+        attach(g.node(producer), red)
+    return g
+
+
+def redistributions(graph: Graph) -> list[dict]:
+    """Every repair in an annotated graph, with the node and layer it sits on (flattened)."""
+    out = []
+    for n in graph.nodes:
+        r = n.redistribute
+        while r:
+            row = {k: v for k, v in r.items() if k != "also"}
+            row.update(node=n.name, layer=n.layer, layer_kind=n.layer_kind)
+            out.append(row)
+            for extra in r.get("also", []):
+                row2 = dict(extra, node=n.name, layer=n.layer, layer_kind=n.layer_kind)
+                out.append(row2)
+            r = None
+    return out

@@ -1,0 +1,255 @@
+"""The plan: everything ``plan.json`` holds (SPEC section 4), its checks, and its uses.
+
+>>> plan = build_plan(graph, strategy, mesh, "h100", workload, predicted, baseline, search)
+>>> plan.save("plan.json"); plan = load_plan("plan.json")
+>>> src = plan.code()                      # parallelize.py
+>>> model = plan.apply(model, device_mesh)  # DTensor placements, in process
+
+Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
+list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers}]``
+and ``params [{fqn, shape, placements, local_shape, stage}]`` (what every rank holds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardc.errors import InputError
+from shardc.ir.graph import Graph
+from shardc.ir.strategy import (
+    CHOICE_NAMES,
+    Degrees,
+    Mesh,
+    Strategy,
+    Workload,
+    choice_name,
+    dtensor_spelling,
+    op_placements,
+    residual_placement,
+)
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).parent / "schema" / "plan.schema.json"
+_KEYS = ("schema_version", "shardc_version", "model", "mesh", "workload", "degrees",
+         "logical_mesh", "spmd_dims", "layer_kinds", "ops", "params", "nodes", "predicted",
+         "baseline", "search")
+
+
+@dataclass
+class Plan:
+    schema_version: int
+    shardc_version: str
+    model: dict
+    mesh: dict
+    workload: dict
+    degrees: dict
+    logical_mesh: dict
+    spmd_dims: list
+    layer_kinds: list
+    ops: list
+    params: list
+    nodes: list
+    predicted: dict = field(default_factory=dict)
+    baseline: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ views
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _KEYS}
+
+    def strategy(self) -> Strategy:
+        """The decoded strategy (degrees, batch, per-op choice indices)."""
+        d = self.degrees
+        deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1))
+        choices = {o["name"]: CHOICE_NAMES[o["kind"]].index(o["choice"]) for o in self.ops}
+        return Strategy(deg, int(self.workload.get("batch") or 1), choices)
+
+    def layer_kind_map(self) -> dict[str, list[int]]:
+        return {k["name"]: list(k["layers"]) for k in self.layer_kinds}
+
+    def summary(self) -> str:
+        d, p = self.degrees, self.predicted or {}
+        deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp"))
+        lines = [f"{self.model.get('name')} on {self.mesh.get('gpus_per_node')}x"
+                 f"{self.mesh.get('nodes')} {self.mesh.get('hardware')}: {deg} "
+                 f"batch={self.workload.get('batch')}"]
+        if p.get("tok_s_per_gpu") is not None:
+            lines.append(f"predicted {p['tok_s_per_gpu']:.1f} tok/s/GPU, TPOT "
+                         f"{p.get('tpot_ms')} ms, memory {p.get('memory_gb_per_gpu')} GB/GPU")
+        for o in self.ops:
+            lines.append(f"  {o['name']:<28} {o['choice']}")
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+    # ------------------------------------------------------------------ io
+    def save(self, path: str | Path) -> Path:
+        """Write plan.json atomically (temp file in the same directory + os.replace)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    # ------------------------------------------------------------------ backend
+    def code(self) -> str:
+        """``parallelize.py`` source for this plan."""
+        from shardc.backends.dtensor import emit_parallelize
+
+        return emit_parallelize(self)
+
+    def apply(self, model, device_mesh=None):
+        """Shard ``model`` in process on ``device_mesh`` (created from the logical mesh when
+        None); see :func:`shardc.backends.apply.apply`."""
+        from shardc.backends.apply import apply
+
+        return apply(model, self.strategy(), device_mesh, self.layer_kind_map())
+
+
+# ---------------------------------------------------------------------- construction
+def op_rows(graph: Graph, strategy: Strategy, dims: list[str]) -> list[dict]:
+    """plan.json ``ops``: per fused-op slot its choice and output placements per SPMD dim
+    (placements of the op's input/output when the residual stream arrives)."""
+    from shardc.ir.strategy import BRANCHES, GLOBAL_OPS
+
+    residual = residual_placement(strategy.degrees)
+    rows = []
+
+    def add(slot, op, kind, c, cur):
+        need, out = op_placements(op, c, cur)
+        rows.append({"name": slot, "kind": op, "layer_kind": kind, "choice": choice_name(op, c),
+                     "placements": [("S(0)" if d in ("dp", "ep") else dtensor_spelling(out))
+                                    for d in dims],
+                     "input_placements": [("S(0)" if d in ("dp", "ep")
+                                           else dtensor_spelling(need)) for d in dims]})
+        return out
+
+    for op in GLOBAL_OPS:
+        if graph.global_op(op) is not None and op == "embedding":
+            add(op, op, None, int(strategy.choices.get(op, 2)), "R")
+    for k in graph.layer_kinds:
+        for ops in BRANCHES.values():
+            if any(k.op(o) is None for o in ops):
+                continue
+            cur = residual
+            for o in ops:
+                slot = f"{k.name}.{o}"
+                cur = add(slot, o, k.name, int(strategy.choices.get(slot, 2)), cur)
+    if graph.global_op("lm_head") is not None:
+        add("lm_head", "lm_head", None, int(strategy.choices.get("lm_head", 2)), residual)
+    return rows
+
+
+def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str,
+               workload: Workload, predicted: dict | None = None, baseline: dict | None = None,
+               search: dict | None = None, annotated: bool | None = None) -> Plan:
+    """Assemble a :class:`Plan`. ``graph`` may already be annotated with ``strategy``
+    (nodes carry placements); otherwise the annotation pass runs here."""
+    from shardc import __version__
+    from shardc.backends.layout import param_plan
+    from shardc.passes.annotate import annotate, spmd_dims
+
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+    deg = strategy.degrees
+    if deg.world != mesh.gpus:
+        raise InputError(f"degrees tp={deg.tp} pp={deg.pp} ep={deg.ep} dp={deg.dp} use "
+                         f"{deg.world} GPUs; mesh {mesh} has {mesh.gpus}")
+    if annotated is None:
+        annotated = bool(graph.nodes) and all(n.placements is not None for n in graph.nodes)
+    g = graph if annotated else annotate(graph, strategy)
+    dims = spmd_dims(strategy)
+    shape, names = deg.logical_mesh()
+    kind_of_layer = {i: k.name for k in g.layer_kinds for i in k.layers}
+    wl = dict(phase=workload.phase, batch=int(strategy.batch), context=int(workload.context),
+              prompt=int(workload.prompt), tpot_slo_ms=float(workload.tpot_slo_ms),
+              ttft_slo_ms=float(workload.ttft_slo_ms))
+    nodes = [{"name": n.name, "op": n.op, "shape": list(n.output_shape),
+              "placements": list(n.placements or []), "redistribute": n.redistribute,
+              "stage": n.stage} for n in g.nodes]
+    return Plan(
+        schema_version=SCHEMA_VERSION, shardc_version=__version__,
+        model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),
+               "source": g.source},
+        mesh={"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes, "hardware": hardware},
+        workload=wl, degrees=dict(deg.as_dict()),
+        logical_mesh={"shape": list(shape), "dim_names": list(names)},
+        spmd_dims=dims,
+        layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers)}
+                     for k in g.layer_kinds],
+        ops=op_rows(g, strategy, dims),
+        params=param_plan([(p.fqn, list(p.shape)) for p in g.params], strategy, kind_of_layer),
+        nodes=nodes, predicted=dict(predicted or {}), baseline=dict(baseline or {}),
+        search=dict(search or {}))
+
+
+# ---------------------------------------------------------------------- loading
+def load_plan(path: str | Path) -> Plan:
+    """Read and check a plan.json; any problem is an :class:`InputError` naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such plan file") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable JSON plan ({e})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a plan must be a JSON object")
+    ver = data.get("schema_version")
+    if ver != SCHEMA_VERSION:
+        raise InputError(f"{path}: plan schema_version {ver!r} is not supported "
+                         f"(this shardc reads schema_version {SCHEMA_VERSION})")
+    validate_plan_dict(data, str(path))
+    return Plan(**{k: data[k] for k in _KEYS})
+
+
+def validate_plan_dict(data: dict, where: str = "plan") -> None:
+    """JSON Schema check, then cross-field consistency (a hand-edited plan)."""
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    if err is not None:
+        at = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise InputError(f"{where}: {at}: {err.message}")
+    d, m = data["degrees"], data["mesh"]
+    try:
+        deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1))
+    except InputError as e:
+        raise InputError(f"{where}: degrees: {e}") from None
+    gpus = m["gpus_per_node"] * m["nodes"]
+    if deg.world != gpus:
+        raise InputError(f"{where}: degrees tp*pp*ep*dp = {deg.world} but the mesh "
+                         f"{m['gpus_per_node']}x{m['nodes']} has {gpus} GPUs")
+    shape, names = deg.logical_mesh()
+    lm = data["logical_mesh"]
+    if list(lm["shape"]) != list(shape) or list(lm["dim_names"]) != list(names):
+        raise InputError(f"{where}: logical_mesh {lm} does not match the degrees "
+                         f"(expected shape {list(shape)}, dim_names {list(names)})")
+    kinds = {k["name"] for k in data["layer_kinds"]}
+    for o in data["ops"]:
+        if o["kind"] not in CHOICE_NAMES:
+            raise InputError(f"{where}: ops: unknown op kind {o['kind']!r} in {o['name']!r}")
+        if o["choice"] not in CHOICE_NAMES[o["kind"]]:
+            raise InputError(f"{where}: ops: {o['name']!r} has unknown choice {o['choice']!r} "
+                             f"(expected one of {', '.join(CHOICE_NAMES[o['kind']])})")
+        if o.get("layer_kind") is not None and o["layer_kind"] not in kinds:
+            raise InputError(f"{where}: ops: {o['name']!r} names layer kind "
+                             f"{o['layer_kind']!r}, not in layer_kinds")
+    n_dims = len(data["spmd_dims"])
+    for n in data["nodes"]:
+        if n["placements"] and len(n["placements"]) != n_dims:
+            raise InputError(f"{where}: node {n['name']!r} has {len(n['placements'])} "
+                             f"placements for {n_dims} mesh dims {data['spmd_dims']}")
