@@ -1,1 +1,105 @@
-"""shardc.search"""
+"""shardc.search: the RL agent (the paper's method) and the baseline searchers.
+
+Entry point::
+
+    result = run_search("rl", space, objective, budget=4000, seed=0, progress=None)
+
+``objective(actions[B, A]) -> (tok_s_per_gpu[B], feasible[B])`` (see
+:mod:`shardc.search.objective`; :func:`cost_model_objective` adapts shardc.cost's
+CostModel). Policies: ``rl``, ``sa``, ``rw``, ``ga`` (spend exactly ``budget`` evaluations),
+``megatron`` (an exhaustive sweep of Megatron-dims strategies) and ``exact`` (every legal
+strategy; the ceiling). Every searcher evaluates and returns only legal actions (see
+:mod:`shardc.search.legal`). Same seed and inputs, same result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardc.search.objective import Budget, Objective, Progress, cost_model_objective
+
+POLICIES = ("rl", "sa", "rw", "ga", "megatron", "exact")
+
+
+@dataclass
+class SearchResult:
+    """Outcome of one search. ``best_value`` in tokens/s per GPU (0.0 and ``best_action``
+    None when no feasible strategy was seen); ``curve`` = [(evaluations, best_value)];
+    ``complete`` is False only for an ``exact`` sweep stopped by its time limit."""
+
+    best_action: np.ndarray | None
+    best_value: float
+    evaluations: int
+    curve: list[tuple[int, float]]
+    wall_s: float
+    policy: str
+    seed: int
+    complete: bool = True
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def found(self) -> bool:
+        return self.best_action is not None
+
+
+def run_search(policy: str, space, objective: Objective, budget: int = 4000, seed: int = 0,
+               progress: Progress | None = None, **options) -> SearchResult:
+    """Search ``space`` for the action maximising ``objective``.
+
+    ``budget`` caps simulator evaluations (every one counts, infeasible included) for
+    rl/sa/rw/ga; megatron and exact are sweeps whose size is reported in ``evaluations``.
+    ``options`` go to the searcher (e.g. ``cfg=RLConfig(...)`` for rl,
+    ``time_limit_s`` for exact). ``exact`` uses the cost model's branch decomposition
+    (:mod:`shardc.search.exact_decomposed`) when ``objective`` is a
+    :func:`cost_model_objective` of this space (``decompose=False`` forces the plain sweep)."""
+    from shardc.search import baselines, exact, rl
+    from shardc.search.legal import LegalSampler
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown search policy {policy!r} (expected one of {', '.join(POLICIES)})")
+    sampler = LegalSampler(space)
+    rng = np.random.default_rng(seed)
+    sweep = policy in ("megatron", "exact")
+    meter = Budget(objective, None if sweep else budget, progress)
+    complete = True
+    t0 = time.perf_counter()
+    if policy == "rl":
+        rl.search_rl(sampler, meter, rng, seed, **options)
+    elif policy == "exact":
+        cm = getattr(objective, "cost_model", None)
+        if cm is not None and getattr(objective, "space", None) is space \
+                and hasattr(cm, "_simulate") and options.pop("decompose", True):
+            from shardc.search.exact_decomposed import search_exact_decomposed
+
+            search_exact_decomposed(cm, sampler, meter)
+        else:
+            try:
+                exact.search_exact(sampler, meter, rng, **options)
+            except exact.ExactIncomplete:
+                complete = False
+    else:
+        fn = {"sa": baselines.search_sa, "rw": baselines.search_rw, "ga": baselines.search_ga,
+              "megatron": baselines.search_megatron}[policy]
+        fn(sampler, meter, rng, **options)
+    wall = time.perf_counter() - t0
+    if meter.best_action is not None:
+        assert sampler.legal(meter.best_action[None])[0], "searcher produced an illegal action"
+    return SearchResult(best_action=meter.best_action, best_value=meter.best_value,
+                        evaluations=meter.evaluations, curve=meter.curve, wall_s=wall,
+                        policy=policy, seed=seed, complete=complete)
+
+
+def plot_search_curve(path, curves: dict, megatron: float | None = None,
+                      exact: float | None = None, title: str = "") -> None:
+    """Write ``search.png``: best-so-far tok/s/GPU against evaluations for each searcher in
+    ``curves`` ({name: [(evals, best)]}), with horizontal Megatron / exact lines if given."""
+    from shardc.search.plot import plot_search_curve as _plot
+
+    _plot(path, curves, megatron=megatron, exact=exact, title=title)
+
+
+__all__ = ["POLICIES", "SearchResult", "run_search", "plot_search_curve", "cost_model_objective",
+           "Budget"]

@@ -1,0 +1,158 @@
+"""Exact optimum of shardc's cost model by per-(layer kind, branch) decomposition.
+
+At fixed degrees and batch (tp, ep, pp, sp, batch), the cost model's step is a sum over
+(layer kind x branch) terms with non-negative coefficients (:mod:`shardc.cost.decomposition`):
+per layer of kind k, ``time_k = norms_k + sum_b time(k, b, c_b)`` and
+``bytes_k = other_k + sum_b (weight + kv)(k, b, c_b)``, and every stage's time and resident
+bytes are non-decreasing in each ``time_k`` / ``bytes_k``; throughput is decreasing in the
+step latency. So a branch-choice vector that is no faster and no smaller in both sums than
+another of the same kind can be dropped (Pareto pruning) without losing the optimum --
+provided the two are interchangeable for feasibility. The only choice-dependent feasibility
+conditions besides time and memory are the op masks (illegal combinations are excluded) and
+the token-split divisibility (a replicated op on a sequence-split residual needs the tokens,
+batch-split attention the sequences, divisible by tp); combinations are therefore pruned only
+against others with the same split requirements.
+
+Per degree tuple: the kind's Pareto front over its branches (merged branch by branch), the
+product of the kinds' fronts and every legal embedding / lm_head choice are the candidates;
+they are evaluated with the public ``CostModel.evaluate`` (so the answer is the cost model's
+own number). Term tables for all degree tuples are computed in one vectorised simulator call
+per branch (the same quantities as ``CostModel.branch_tables``; a test pins the equality).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardc.ir.space import megatron_op_choices
+from shardc.search.legal import BATCH, N_DEG, TP, LegalSampler
+from shardc.search.objective import Budget
+
+
+def _pareto(t: np.ndarray, m: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Indices of points not dominated in (t, m) by a point with the same key."""
+    keep = []
+    for k in np.unique(key):
+        idx = np.flatnonzero(key == k)
+        order = idx[np.lexsort((m[idx], t[idx]))]
+        best_m = np.inf
+        for i in order:
+            if m[i] < best_m:
+                keep.append(i)
+                best_m = m[i]
+    return np.array(sorted(keep), dtype=np.int64)
+
+
+def _degree_rows(sampler: LegalSampler) -> np.ndarray:
+    from shardc.search.exact import degree_tuples
+
+    rows = []
+    for t, e, p, s in degree_tuples(sampler):
+        for b in range(sampler.nvec[BATCH]):
+            rows.append((t, e, p, s, b))
+    return np.array(rows, dtype=np.int64)
+
+
+def term_tables(cm, space, deg_rows: np.ndarray, chunk: int = 65536) -> list[dict]:
+    """Per branch term: combos [n, m], legal [Nd, n], time_s / bytes [Nd, n], split key
+    [Nd, n] (bit 0: needs tokens % tp, bit 1: needs sequences % tp) at every degree row."""
+    base_ops = {t: megatron_op_choices(space, t) for t in np.unique(deg_rows[:, TP])}
+    base = np.array([np.concatenate([d, base_ops[d[TP]]]) for d in deg_rows], dtype=np.int64)
+    col = {s: N_DEG + i for i, s in enumerate(space.op_slots)}
+    residual = (space.degree_arrays(base)["sp"] > 1).astype(np.int64)
+    groups = [(ki, k.name, k.branches) for ki, k in enumerate(cm.kinds)]
+    groups.append((None, "global", cm.globals))
+    out = []
+    nd = len(deg_rows)
+    for ki, kname, branches in groups:
+        for bi, (bname, _fops, table, slots) in enumerate(branches):
+            combos = table.combos()
+            n = len(combos)
+            acts = np.repeat(base, n, axis=0)
+            for j, s in enumerate(slots):
+                acts[:, col[s]] = np.tile(combos[:, j], nd)
+            time_s = np.empty(nd * n)
+            nbytes = np.empty(nd * n)
+            for i in range(0, len(acts), chunk):
+                r = cm._simulate(acts[i:i + chunk], space)
+                bc = r["kinds"][ki][1][bi][4] if ki is not None else r["glob"][bname][4]
+                time_s[i:i + chunk] = bc.time_s
+                nbytes[i:i + chunk] = bc.weight_bytes + (bc.kv_bytes if ki is not None else 0.0)
+            masks = space.op_masks(deg_rows[:, TP])  # [Nd, slots, 3]
+            legal = np.ones((nd, n), dtype=bool)
+            for j, s in enumerate(slots):
+                legal &= masks[:, space.op_slots.index(s), :][:, combos[:, j]]
+            modes = table.modes[np.arange(n)[None, :], residual[:, None]]  # [Nd, n, m]
+            key = np.zeros((nd, n), dtype=np.int64)
+            if bname != "experts":
+                key |= (modes == 4).any(axis=2).astype(np.int64)
+                for j, f in enumerate(_fops):
+                    if f.name == "attn_core":
+                        key |= 2 * (modes[:, :, j] == 4)
+            out.append(dict(kind=kname, branch=bname, slots=list(slots), combos=combos,
+                            legal=legal, time=time_s.reshape(nd, n),
+                            bytes=nbytes.reshape(nd, n), key=key))
+    return out
+
+
+def candidates_for(d: int, deg_row: np.ndarray, terms: list[dict], space) -> np.ndarray:
+    """[N, A] the pruned candidate actions at degree row ``d``."""
+    col = {s: N_DEG + i for i, s in enumerate(space.op_slots)}
+    parts = []  # list of [n_i, A-N_DEG] partial op assignments (-1 = unset), to cross
+    kinds = [k for k in dict.fromkeys(t["kind"] for t in terms)]
+    for kname in kinds:
+        kterms = [t for t in terms if t["kind"] == kname]
+        if kname == "global":
+            for t in kterms:
+                ok = np.flatnonzero(t["legal"][d])
+                part = np.full((len(ok), len(space.op_slots)), -1, dtype=np.int64)
+                for j, s in enumerate(t["slots"]):
+                    part[:, col[s] - N_DEG] = t["combos"][ok, j]
+                parts.append(part)
+            continue
+        ft = np.zeros(1)
+        fm = np.zeros(1)
+        fk = np.zeros(1, dtype=np.int64)
+        fa = np.full((1, len(space.op_slots)), -1, dtype=np.int64)
+        for t in kterms:
+            ok = np.flatnonzero(t["legal"][d])
+            tt = (ft[:, None] + t["time"][d, ok][None, :]).ravel()
+            mm = (fm[:, None] + t["bytes"][d, ok][None, :]).ravel()
+            kk = (fk[:, None] | t["key"][d, ok][None, :]).ravel()
+            aa = np.repeat(fa, len(ok), axis=0)
+            for j, s in enumerate(t["slots"]):
+                aa[:, col[s] - N_DEG] = np.tile(t["combos"][ok, j], len(fa))
+            keep = _pareto(tt, mm, kk)
+            ft, fm, fk, fa = tt[keep], mm[keep], kk[keep], aa[keep]
+        parts.append(fa)
+    ops = np.full((1, len(space.op_slots)), -1, dtype=np.int64)
+    for part in parts:
+        crossed = np.repeat(ops, len(part), axis=0)
+        tiled = np.tile(part, (len(ops), 1))
+        ops = np.where(tiled >= 0, tiled, crossed)
+    acts = np.empty((len(ops), N_DEG + len(space.op_slots)), dtype=np.int64)
+    acts[:, :N_DEG] = deg_row
+    acts[:, N_DEG:] = ops
+    return acts
+
+
+def search_exact_decomposed(cm, sampler: LegalSampler, budget: Budget,
+                            chunk: int = 65536) -> int:
+    """Evaluate every Pareto candidate of every degree row through ``budget``; returns the
+    number of candidates (the full legal space size is ``sampler.count_legal()``)."""
+    space = sampler.space
+    deg_rows = _degree_rows(sampler)
+    terms = term_tables(cm, space, deg_rows)
+    pending, n_pending, total = [], 0, 0
+    for d in range(len(deg_rows)):
+        acts = candidates_for(d, deg_rows[d], terms, space)
+        assert (acts >= 0).all()
+        pending.append(acts)
+        n_pending += len(acts)
+        total += len(acts)
+        if n_pending >= chunk:
+            budget(np.concatenate(pending))
+            pending, n_pending = [], 0
+    if pending:
+        budget(np.concatenate(pending))
+    return total
