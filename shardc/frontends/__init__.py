@@ -1,1 +1,46 @@
-"""shardc.frontends"""
+"""shardc.frontends: model descriptions -> IR :class:`~shardc.ir.graph.Graph`.
+
+:func:`load_graph` is what ``compile`` / ``inspect`` / ``simulate`` call: it dispatches on
+the file suffix (``.py`` model file or HF ``config.json`` -> torch.export frontend; ``.onnx``
+-> :func:`shardc.frontends.onnx_frontend.trace_onnx`, imported lazily) and runs the passes
+(canonicalise -> fused-op grouping -> layer grouping). :func:`graph_from_module` does the
+same for an in-memory ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardc.errors import InputError
+from shardc.ir.graph import Graph
+
+
+def graph_from_module(model, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
+    """Trace an ``nn.Module`` (torch.export) and run the passes."""
+    from shardc.frontends.torch_export import trace_module
+    from shardc.passes import run_passes
+
+    return run_passes(trace_module(model, tuple(example_inputs), name=name, source=source))
+
+
+def load_graph(path: str | Path, tiny: bool = False) -> Graph:
+    """Load ``path`` (``.py`` model file, ``config.json``, ``.onnx``) into a passed IR Graph.
+
+    ``tiny`` traces the file's ``tiny_model()`` instead of the full-size ``build_model()``.
+    Raises :class:`InputError` (one line) for a missing or malformed model."""
+    p = Path(path)
+    if p.suffix == ".onnx":
+        if not p.exists():
+            raise InputError(f"{path}: no such file")
+        from shardc.frontends.onnx_frontend import trace_onnx
+        from shardc.passes import run_passes
+
+        return run_passes(trace_onnx(str(p)))
+    from shardc.frontends.model_file import load_model_file
+
+    src = load_model_file(p)
+    model, inputs = src.build(tiny=tiny)
+    return graph_from_module(model, inputs, name=src.name, source=src.source)
+
+
+__all__ = ["graph_from_module", "load_graph"]

@@ -92,7 +92,8 @@ def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
     attrs = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_head_dim": v_head_dim,
              "kv_cache_elems_per_token": cache, "kv_cache_split_by_heads": split,
              "flops_per_token_per_context": 2 * heads * (head_dim + v_head_dim)}
-    return FusedOp(name="attn_core", nodes=[n.name for n in core], attrs=attrs)
+    return FusedOp(name="attn_core", in_features=sum(_out(n) for n in up),
+                   out_features=heads * v_head_dim, nodes=[n.name for n in core], attrs=attrs)
 
 
 def _feeders(start: str, nodes: list[Node], names: set[str]) -> set[str]:

@@ -1,0 +1,150 @@
+"""``shardc inspect FILE [--layer N] [--op KIND] [--format table|json|dot]``: the IR as a
+table, JSON (``model``, ``layer_kinds``, ``nodes``; SPEC section 3/4 keys) or Graphviz dot.
+
+The table stays readable for huge graphs: without ``--layer`` it lists the nodes outside
+the decoder layers plus the *first* layer of each layer kind (the others are identical by
+construction) and hides ``view`` nodes; ``--all`` lists everything. JSON and dot contain
+every node that passes the ``--layer`` / ``--op`` filters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tabulate import tabulate
+
+from shardc.errors import InputError
+from shardc.ir.graph import FUSED_OP_NAMES, OP_KINDS, Graph, Node
+
+HELP = "Show the operator graph of a model: nodes, op kinds, shapes, fused ops, layer kinds."
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="model file (.py), .onnx, or HF config.json")
+    p.add_argument("--layer", type=int, default=None, help="only nodes of decoder layer N")
+    p.add_argument("--op", default=None,
+                   help="only nodes of this op kind (linear, attention, ...) or fused op (qkv, ...)")
+    p.add_argument("--format", default="table", choices=["table", "json", "dot"])
+    p.add_argument("--all", action="store_true", help="table: every node, views included")
+    p.add_argument("--tiny", action="store_true", help="trace the file's tiny_model()")
+    p.add_argument("--out", default=None, help="write to this file instead of stdout")
+
+
+def select_nodes(graph: Graph, layer: int | None = None, op: str | None = None) -> list[Node]:
+    """Nodes matching ``layer`` (decoder-layer index) and ``op`` (kind or fused-op name)."""
+    if op is not None and op not in OP_KINDS and op not in FUSED_OP_NAMES and op != "norm":
+        raise InputError(f"--op {op!r}: not an op kind ({', '.join(OP_KINDS)}) "
+                         f"nor a fused op ({', '.join(FUSED_OP_NAMES)})")
+    if layer is not None:
+        known = sorted({n.layer for n in graph.nodes if n.layer is not None})
+        if layer not in known:
+            span = f"0..{known[-1]}" if known else "none"
+            raise InputError(f"--layer {layer}: the model has no such decoder layer (layers {span})")
+    out = []
+    for n in graph.nodes:
+        if layer is not None and n.layer != layer:
+            continue
+        if op is not None and n.op != op and n.fused_op != op:
+            continue
+        out.append(n)
+    return out
+
+
+def _shape(n: Node) -> str:
+    return "x".join(str(s) for s in n.output_shape) if n.output_shape else "-"
+
+
+def _placements(n: Node) -> str:
+    return " ".join(n.placements) if n.placements else ""
+
+
+def graph_json(graph: Graph, nodes: list[Node]) -> dict:
+    """The ``inspect --format json`` document."""
+    return {
+        "model": {"name": graph.name, "params": graph.num_params, "layers": graph.num_layers,
+                  "source": graph.source},
+        "layer_kinds": [{"name": k.name, "count": k.count, "layers": k.layers}
+                        for k in graph.layer_kinds],
+        "config": graph.config,
+        "warnings": graph.warnings,
+        "nodes": [{"name": n.name, "op": n.op, "target": n.target, "shape": n.output_shape,
+                   "dtype": n.dtype, "inputs": n.inputs, "params": [p.fqn for p in n.params],
+                   "flops": n.flops, "bytes": n.bytes, "module_path": n.module_path,
+                   "layer": n.layer, "fused_op": n.fused_op, "layer_kind": n.layer_kind,
+                   "placements": n.placements, "redistribute": n.redistribute}
+                  for n in nodes],
+    }
+
+
+def graph_dot(graph: Graph, nodes: list[Node]) -> str:
+    """Graphviz text: one box per node (name, op, shape), edges between listed nodes."""
+    shown = {n.name for n in nodes}
+    lines = [f'digraph "{graph.name}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
+    for n in nodes:
+        label = f"{n.name}\\n{n.op}" + (f" [{n.fused_op}]" if n.fused_op else "") + f"\\n{_shape(n)}"
+        if n.placements:
+            label += "\\n" + _placements(n)
+        lines.append(f'  "{n.name}" [label="{label}"];')
+    for n in nodes:
+        for i in n.inputs:
+            if i in shown:
+                lines.append(f'  "{i}" -> "{n.name}";')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def graph_table(graph: Graph, nodes: list[Node], condensed: bool) -> str:
+    """Header (model, params, layer kinds) + node table; ``condensed`` hides views and all
+    but the first layer of each layer kind."""
+    head = [f"model {graph.name}: {graph.num_params:,} parameters ({graph.num_params:.4g}), "
+            f"{graph.num_layers} layers, {len(graph.nodes)} nodes"]
+    for k in graph.layer_kinds:
+        head.append(f"  {k.name} x{k.count}: layers {_ranges(k.layers)}")
+    for w in graph.warnings:
+        head.append(f"  warning: {w}")
+    if condensed:
+        firsts = {k.layers[0] for k in graph.layer_kinds if k.layers}
+        nodes = [n for n in nodes if n.op != "view" and (n.layer is None or n.layer in firsts)]
+        head.append("  (showing non-view nodes outside the layers and the first layer of each "
+                    "kind; --layer N for one layer, --all for every node)")
+    rows = [[n.name, n.op, _shape(n), n.fused_op or "", n.layer_kind or "",
+             "" if n.layer is None else n.layer, _placements(n)] for n in nodes]
+    table = tabulate(rows, headers=["node", "op", "shape", "fused op", "layer kind", "layer",
+                                    "placements"], tablefmt="simple")
+    return "\n".join(head) + "\n\n" + table + "\n"
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start, prev = [], None, None
+    for x in xs:
+        if start is None:
+            start = prev = x
+        elif x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = x
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def run(args) -> int:
+    from shardc.frontends import load_graph
+
+    graph = load_graph(args.model, tiny=args.tiny)
+    nodes = select_nodes(graph, args.layer, args.op)
+    if args.format == "json":
+        text = json.dumps(graph_json(graph, nodes), indent=1, sort_keys=True) + "\n"
+    elif args.format == "dot":
+        text = graph_dot(graph, nodes)
+    else:
+        condensed = not args.all and args.layer is None and args.op is None
+        text = graph_table(graph, nodes, condensed)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
