@@ -81,6 +81,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--keep", help="directory to keep the exported model in")
+    ap.add_argument("--compare", action="store_true",
+                    help="also trace the same model with the torch.export frontend and compare "
+                         "parameters, FLOPs per kind and layer kinds")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +105,18 @@ def main() -> int:
               f"{[(k.name, k.count) for k in graph.layer_kinds]}")
         for w in graph.warnings:
             print("warning:", w)
+        if args.compare:
+            from shardc.frontends import graph_from_module
+
+            t0 = time.perf_counter()
+            tg = graph_from_module(build_causal_lm(llama3_8b_config(args.layers), device="meta"),
+                                   (torch.zeros((1, 16), dtype=torch.int64),))
+            print(f"torch.export frontend: {time.perf_counter() - t0:.1f} s; "
+                  f"{tg.num_params:,} parameters, {[(k.name, k.count) for k in tg.layer_kinds]}")
+            fo, ft = graph.flops_by_kind(), tg.flops_by_kind()
+            for kind in sorted(set(fo) | set(ft)):
+                if fo.get(kind) or ft.get(kind):
+                    print(f"  {kind:15s} onnx {fo.get(kind, 0):>16,}  torch {ft.get(kind, 0):>16,}")
     return 0
 
 

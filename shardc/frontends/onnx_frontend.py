@@ -28,7 +28,8 @@ Raw IR, matching :mod:`shardc.frontends.torch_export`:
   taken as parameters and a warning says so (identical tensors an optimiser merged into one
   initializer are then counted once).
   Pure views/casts of a parameter are aliases; the :class:`Param` is attached to the node
-  that consumes it. Non-parameter constants (folded rotary tables, masks) are not inputs.
+  that consumes it. ``Identity`` nodes (what an unoptimised export makes of ``clone``) are
+  read through, as the exporter's optimiser would remove them. Non-parameter constants (folded rotary tables, masks) are not inputs.
 """
 
 from __future__ import annotations
@@ -250,6 +251,10 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
             for v in grp.outputs:
                 alias[v] = list(params)
             continue
+        if op_types and set(op_types) == {"Identity"} and len(external) == 1 and not params:
+            for v in grp.outputs:  # a no-op (e.g. a decomposed clone): read through it
+                producer[v] = producer[external[0]]
+            continue
         values = _order_by_fx_args(external, prov.fx_args)
         inputs: list[str] = []
         in_shapes: list[list[int]] = []
@@ -271,7 +276,8 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
         node.attrs["onnx_ops"] = op_types
         if prov.fx_target:
             node.target = prov.fx_target
-            scalars, kw = _parse_fx_args(prov.fx_args)
+            node.op = _group_kind(grp.nodes, bool(params))  # kept only if canonicalise
+            scalars, kw = _parse_fx_args(prov.fx_args)     # does not know the aten op
             if scalars:
                 node.attrs["scalars"] = scalars
             if kw:
@@ -346,6 +352,22 @@ def _order_by_fx_args(values: list[str], fx_args: str) -> list[str]:
         elif r not in values and spare:
             out.append(spare.pop(0))
     return out + [v for v in values if v not in out]
+
+
+_KIND_PRIORITY = ("attention", "grouped_matmul", "matmul", "norm", "router", "activation",
+                  "reduction", "gather_scatter", "elementwise", "view")
+
+
+def _group_kind(onnx_nodes: list, has_params: bool) -> str:
+    """Kind of a group of ONNX nodes lowered from one FX op: its most significant member
+    (two activation matmuls around a softmax = attention; a matmul with a weight = linear)."""
+    kinds = [onnx_kind(n.op_type, n.domain) for n in onnx_nodes if n.op_type != "Constant"]
+    if kinds.count("matmul") >= 2 and any(n.op_type == "Softmax" for n in onnx_nodes):
+        return "attention"
+    for kind in _KIND_PRIORITY:
+        if kind in kinds:
+            return "linear" if kind == "matmul" and has_params else kind
+    return "other"
 
 
 def _scope_path(onnx_name: str) -> str:

@@ -23,7 +23,7 @@ SHAPE_ONLY_OPS = frozenset((
     "new_ones", "new_zeros", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
     "full_like", "sym_size", "sym_numel", "Shape", "Size", "ConstantOfShape",
 ))
-CAST_OPS = frozenset(("to", "_to_copy", "type_as", "Cast", "CastLike"))
+CAST_OPS = frozenset(("to", "_to_copy", "type_as", "convert_element_type", "Cast", "CastLike"))
 
 
 def _base(target: str) -> str:
