@@ -164,11 +164,17 @@ class ShardingRuntime:
                            self.residual if end is None else end)
 
     def hook_op(self, module: nn.Module, src: str, need: str, after: str,
-                unfuse: int = 1) -> None:
+                unfuse: int = 1, memo: list | None = None) -> None:
         """Input: local ``src`` -> DTensor ``need``; output: DTensor -> ``after`` -> local
-        (de-interleaved when a packed output ends up whole)."""
+        (de-interleaved when a packed output ends up whole). Modules of one op that read the
+        same tensor (q/k/v, gate/up) share ``memo``, so its repair is issued once."""
+        memo = memo if memo is not None else [None, None]
+
         def pre(mod, args, kwargs):
-            return (self.redist(self.wrap(args[0], src), need), *args[1:]), kwargs
+            x = args[0]
+            if memo[0] is not x:
+                memo[0], memo[1] = x, self.redist(self.wrap(x, src), need)
+            return (memo[1], *args[1:]), kwargs
 
         def post(mod, args, kwargs, out):
             out = self.local(self.redist(out, after))
@@ -200,6 +206,7 @@ class ShardingRuntime:
             if not mods:
                 src = produced
                 continue
+            memo: list = [None, None]
             for m in mods:
-                self.hook_op(m, src, need, after, unfuse[i] if unfuse else 1)
+                self.hook_op(m, src, need, after, unfuse[i] if unfuse else 1, memo)
             src = after

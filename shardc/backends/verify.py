@@ -44,8 +44,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, model_ref: str, cases: list[dict], batch: int,
-            seq: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int,
+            out_dir: str) -> None:
     import torch.distributed as dist
 
     from shardc.backends.apply import apply
@@ -55,34 +55,35 @@ def _worker(rank: int, world: int, port: int, model_ref: str, cases: list[dict],
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
     try:
-        model, ids = _build(model_ref, batch, seq)
-        with torch.no_grad():
-            ref = _logits(model(ids))
-        for c in cases:
-            case = Case(**c)
-            res = {"name": case.name}
-            try:
-                fresh = _build(model_ref, batch, seq)[0]
-                if case.code:
-                    sharded = _load_code(case.code).parallelize(fresh)
-                else:
-                    sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds)
-                if case.corrupt and rank == 0:
-                    _perturb(sharded)
-                with torch.no_grad():
-                    out = sharded(ids)
-                if out is not None:
-                    out = _logits(out)
-                    res["rel_err"] = float((out - ref).abs().max() / ref.abs().max())
-                    res["shape_ok"] = list(out.shape) == list(ref.shape)
-            except Exception as e:  # reported per case; the other cases still run
-                res["error"] = f"{type(e).__name__}: {e}"
-                if os.environ.get("SHARDC_DEBUG"):
-                    import traceback
+        for model_ref, cases in suites:
+            model, ids = _build(model_ref, batch, seq)
+            with torch.no_grad():
+                ref = _logits(model(ids))
+            for c in cases:
+                case = Case(**c)
+                res = {"name": case.name}
+                try:
+                    fresh = _build(model_ref, batch, seq)[0]
+                    if case.code:
+                        sharded = _load_code(case.code).parallelize(fresh)
+                    else:
+                        sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds)
+                    if case.corrupt and rank == 0:
+                        _perturb(sharded)
+                    with torch.no_grad():
+                        out = sharded(ids)
+                    if out is not None:
+                        out = _logits(out)
+                        res["rel_err"] = float((out - ref).abs().max() / ref.abs().max())
+                        res["shape_ok"] = list(out.shape) == list(ref.shape)
+                except Exception as e:  # reported per case; the other cases still run
+                    res["error"] = f"{type(e).__name__}: {e}"
+                    if os.environ.get("SHARDC_DEBUG"):
+                        import traceback
 
-                    res["error"] += "\n" + traceback.format_exc()
-            results.append(res)
-            dist.barrier()
+                        res["error"] += "\n" + traceback.format_exc()
+                results.append(res)
+                dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
@@ -137,17 +138,23 @@ def _logits(out) -> torch.Tensor:
 
 
 def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None = None,
-              seq: int = 8, timeout_s: float = 600) -> list[dict]:
+              seq: int = 8, timeout_s: float = 900) -> list[dict]:
     """Run ``cases`` on ``world`` gloo processes; returns per case {name, rel_err, error}
     (the worst over ranks holding logits)."""
+    return run_suites([(model_ref, cases)], world, batch, seq, timeout_s)
+
+
+def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | None = None,
+               seq: int = 8, timeout_s: float = 900) -> list[dict]:
+    """Several models' cases in ONE launch (process start-up dominates): results in order."""
     import torch.multiprocessing as mp
 
-    batch = batch or max(world, 2)
-    if model_ref.endswith(".py"):
-        model_ref = os.path.abspath(model_ref)
+    batch = batch or 2 * world
+    suites = [(os.path.abspath(m) if m.endswith(".py") else m, cs) for m, cs in suites]
+    cases = [c for _, cs in suites for c in cs]
+    payload = [(m, [c.__dict__ for c in cs]) for m, cs in suites]
     with tempfile.TemporaryDirectory(prefix="shardc-verify-") as tmp:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), model_ref,
-                                                [c.__dict__ for c in cases], batch, seq, tmp),
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), payload, batch, seq, tmp),
                                  nprocs=world, join=False, start_method="spawn")
         while not ctx.join(timeout=timeout_s):
             pass

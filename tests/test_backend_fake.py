@@ -1,0 +1,186 @@
+"""Full-size models on the ``fake`` process group with their real meshes (meta device).
+
+* every parameter's local shape is what plan.json's ``params`` says (same function
+  :func:`shardc.backends.layout.param_plan` that :func:`shardc.plan.build_plan` uses);
+* the collectives DTensor executes for one layer of each kind (CommDebugMode) are those the
+  cost model charges (:meth:`CostModel.explain`), mapped to where the runtime issues them:
+  a repair of an op's output happens once per module of that op (HF keeps q/k/v and gate/up
+  as separate linears: 3 and 2 collectives of the same total bytes; GPT-MoE packs qkv: 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from shardc.backends.apply import apply, strategy_from_names
+from shardc.backends.layout import param_plan
+from shardc.backends.models import adapter_for, default_layer_kinds
+from shardc.ir.strategy import BRANCHES, Mesh, Workload
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+_COMM = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+         "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+MEGATRON = {"embedding": "vocab", "qkv": "col", "attn_core": "heads", "out_proj": "row",
+            "ffn1": "col", "ffn2": "row", "router": "rep", "expert_ffn1": "col",
+            "expert_ffn2": "row", "lm_head": "col"}
+
+
+def choices_for(kind: str, overrides: dict) -> dict:
+    ops = [o for o, _ in MEGATRON.items() if o not in ("embedding", "lm_head")]
+    if kind == "dense_block":
+        ops = [o for o in ops if o in ("qkv", "attn_core", "out_proj", "ffn1", "ffn2")]
+    else:
+        ops = [o for o in ops if o not in ("ffn1", "ffn2")]
+    ch = {f"{kind}.{o}": overrides.get(o, MEGATRON[o]) for o in ops}
+    ch["embedding"] = overrides.get("embedding", "vocab")
+    ch["lm_head"] = overrides.get("lm_head", "col")
+    return ch
+
+
+@pytest.fixture
+def fake_world():
+    def init(world: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@functools.lru_cache(maxsize=None)
+def _short_graph(module_name: str, layers: int):
+    """IR of the same architecture at full width with ``layers`` layers (the cost model's
+    per-layer collectives do not depend on the layer count; tracing 80 layers takes ~1 min)."""
+    import importlib
+
+    from shardc.frontends import graph_from_module
+
+    mod = importlib.import_module(module_name)
+    if hasattr(mod, "config"):
+        cfg = mod.config()
+        cfg.num_hidden_layers = layers
+        from shardc.frontends.hf_build import build_causal_lm
+
+        model = build_causal_lm(cfg)
+        vocab = cfg.vocab_size
+    else:
+        import dataclasses
+
+        import gpt_moe
+
+        cfg = dataclasses.replace(mod.CONFIG, num_layers=layers)
+        model = gpt_moe.build(cfg)
+        vocab = cfg.vocab_size
+    ids = (torch.zeros(1, 16, dtype=torch.long) % vocab,)
+    return graph_from_module(model, ids, name=module_name)
+
+
+def _expected_counts(graph, strategy, mesh: str, kind: str, modules_per_op: dict) -> Counter:
+    from shardc.cost import CostModel
+
+    wl = Workload(phase="decode", batch=strategy.batch, context=4096)
+    ex = CostModel(graph, Mesh.parse(mesh), "h100", wl).explain(strategy)
+    ops = [o for b in BRANCHES.values() for o in b]
+    out: Counter = Counter()
+    for lk, branch, before, coll, dim, _bytes, _ms in ex.collectives:
+        if lk != kind:
+            continue
+        n = 1
+        seq = BRANCHES.get(branch, ())
+        if before in seq and seq.index(before) > 0:  # issued at the previous op's output
+            n = modules_per_op.get(seq[seq.index(before) - 1], 1)
+        elif before == "<end>" and seq:
+            n = modules_per_op.get(seq[-1], 1)
+        assert before in ops or before in ("<end>", "dispatch", "combine")
+        out[(coll, dim)] += n
+    return out
+
+
+def _run_layer(model, adapter, i: int, batch: int) -> Counter:
+    hidden = adapter.config.hidden_size
+    h = torch.zeros(batch, 4, hidden, device="meta", dtype=torch.bfloat16)
+    if adapter.family == "hf":
+        layer = adapter.inner.layers[i]
+        pos = torch.arange(4, device="meta")[None]
+        pe = adapter.inner.rotary_emb(h, position_ids=pos)
+        kw = dict(attention_mask=None, position_embeddings=pe, position_ids=pos)
+    else:
+        layer, kw = adapter.model.layers[i], {}
+    with CommDebugMode() as cm:
+        out = layer(h, **kw)
+    assert out.shape == h.shape
+    counts: Counter = Counter()
+    for op, n in cm.get_comm_counts().items():
+        counts[_COMM[str(op).split(".")[-1].split("'")[0]]] += n
+    return counts
+
+
+CASES = [
+    # (example module, mesh, degrees, overrides of the Megatron choices, batch)
+    ("llama3_70b", "8x1", {"tp": 8}, {}, 8),
+    ("llama3_70b", "8x1", {"tp": 8}, {"ffn2": "col"}, 8),
+    ("llama3_70b", "8x1", {"tp": 8}, {"qkv": "rep", "attn_core": "rep", "out_proj": "rep"}, 8),
+    ("llama3_70b", "8x1", {"tp": 8}, {"qkv": "row", "attn_core": "batch", "out_proj": "col"}, 8),
+    ("mixtral_8x7b", "8x128", {"tp": 8, "ep": 8, "dp": 16}, {}, 16),
+    ("mixtral_8x7b", "8x128", {"tp": 8, "ep": 8, "dp": 16},
+     {"router": "col", "expert_ffn2": "col", "attn_core": "rep"}, 16),
+    ("gpt_moe_1p6t", "8x128", {"tp": 8, "ep": 16, "pp": 2, "dp": 4}, {}, 16),
+    ("gpt_moe_1p6t", "8x128", {"tp": 8, "ep": 16, "pp": 2, "dp": 4},
+     {"qkv": "row", "expert_ffn1": "row", "expert_ffn2": "rep"}, 16),
+]
+
+
+@pytest.mark.parametrize("module_name,mesh,degrees,overrides,batch", CASES,
+                         ids=[f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[3].items()) or 'megatron'}"
+                              for c in CASES])
+def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides, batch):
+    import importlib
+
+    mod = importlib.import_module(module_name)
+    fake_world(Mesh.parse(mesh).gpus)
+    model = mod.build_model()
+    kinds = default_layer_kinds(model)
+    kind = sorted(set(kinds.values()))[0]
+    strategy = strategy_from_names(degrees, choices_for(kind, overrides), batch)
+    params = [(n, list(p.shape)) for n, p in model.named_parameters()]
+    expected = {r["fqn"]: r for r in param_plan(params, strategy, kinds)}
+    sharded = apply(model, strategy)
+    adapter = adapter_for(model)
+
+    # every parameter of this rank's stage is a DTensor with the planned local shape
+    checked = 0
+    for name, p in model.named_parameters():
+        row = expected[name]
+        if row["stage"] != 0:
+            continue
+        assert isinstance(p, DTensor), name
+        assert list(p.to_local().shape) == row["local_shape"], name
+        assert [str(x) for x in row["placements"]] == row["placements"]
+        checked += 1
+    assert checked > 0
+    if degrees.get("pp", 1) > 1:
+        assert type(sharded).__name__ == "PipelinedModel"
+
+    # the collectives of one layer equal the cost model's, per (kind, mesh dim)
+    fused = adapter.family == "gpt_moe"
+    per_op = {"qkv": 1 if fused else 3, "ffn1": 2}
+    graph = _short_graph(module_name, 2)
+    want = _expected_counts(graph, strategy, mesh, kind, per_op)
+    got = _run_layer(model, adapter, 0, 8)  # this rank's rows (batch split over tp for S(0))
+    want_by_kind = Counter()
+    for (coll, _dim), n in want.items():
+        want_by_kind[coll] += n
+    assert got == want_by_kind, (got, want)
