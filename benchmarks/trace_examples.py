@@ -44,7 +44,8 @@ def measure(model: str) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{model}: failed: {stderr.strip().splitlines()[-1]}")
     row = json.loads(stdout.strip().splitlines()[-1])
-    row.update(model=model, wall_s=wall, peak_rss_mb=usage.ru_maxrss / 1024)
+    row.update(model=model, wall_s=wall, peak_rss_mb=usage.ru_maxrss / 1024,
+               cpu_s=usage.ru_utime + usage.ru_stime)
     return row
 
 
@@ -65,17 +66,19 @@ def main() -> int:
         "Measured with: `.venv/bin/python benchmarks/trace_examples.py` (one fresh process per",
         "model, `torch.set_num_threads(1)`; *trace* = `shardc.frontends.load_graph` = build on",
         "meta + non-strict torch.export + canonicalise/fused/layer passes; *wall* adds Python,",
-        "torch and transformers start-up; *peak RSS* = `ru_maxrss` of the process).",
+        "torch and transformers start-up; *CPU s* = user + system CPU time of the process, the",
+        "figure least distorted by other jobs; *peak RSS* = `ru_maxrss` of the process).",
         f"Machine: 2 CPU cores shared with other jobs; load average at the end of the run "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min), so times are upper bounds.",
         "",
-        "| model | params | layer kinds | IR nodes | trace s | wall s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | params | layer kinds | IR nodes | trace s | wall s | CPU s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kinds = ", ".join(f"{n} x{c}" for n, c in r["kinds"])
         lines.append(f"| {r['model']} | {r['params']:.4g} | {kinds} | {r['nodes']} | "
-                     f"{r['trace_s']:.1f} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} |")
+                     f"{r['trace_s']:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
+                     f"{r['peak_rss_mb']:.0f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -135,6 +135,9 @@ def _flat_args(args: Any) -> list[Any]:
 def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
     """Non-strict ``torch.export`` of ``model`` wrapped as ``input_ids -> logits``."""
     wrapper = _LogitsWrapper(model)
+    # Per-node Python stack traces are not needed by shardc and cost ~10% of the trace time.
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
     try:
         with torch.no_grad():
             return torch.export.export(wrapper, tuple(example_inputs), strict=False)
@@ -142,6 +145,8 @@ def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.Expo
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"torch.export failed for {type(model).__name__}: "
                          f"{type(e).__name__}: {msg}") from e
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
 
 
 def trace_module(model: nn.Module, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
