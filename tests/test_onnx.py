@@ -20,6 +20,7 @@ from shardc.frontends import graph_from_module, load_graph
 from shardc.frontends.model_file import load_model_file
 from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE, trace_onnx
 from shardc.frontends.onnx_load import load_onnx
+from shardc.ir.graph import Graph
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -68,6 +69,7 @@ def test_parity_params_flops_layer_kinds(exported):
     assert og.config == tg.config
     assert og.tokens == tg.tokens
     assert og.source == str(path)
+    assert Graph.from_json(og.to_json()) == og
 
 
 def test_parity_unoptimised_bfloat16_export(tmp_path):
