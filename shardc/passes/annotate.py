@@ -13,7 +13,7 @@
 * ``redistribute`` on the node that consumes a repaired tensor (the first consumer of the
   producing op's output -- where the DTensor runtime issues the collective, before any
   non-linear op -- or the entry node of a branch's first op):
-  ``{collective, mesh_dim, bytes, src, dst, branch, before_op}``; ``before_op`` is the op
+  ``{collective, mesh_dim, bytes, src, dst, branch, before_op, layer}``; ``before_op`` is the op
   of :func:`shardc.ir.strategy.branch_collectives` (``"<end>"`` for the branch end,
   ``"dispatch"`` / ``"combine"`` for the expert all-to-alls over ep). A node that carries
   two repairs lists the second under ``"also"``.
@@ -140,15 +140,19 @@ def annotate(graph: Graph, strategy: Strategy, tokens: int | None = None,
         first_node.setdefault(key, n.name)
         last_node[key] = n.name
 
-    def mark(bp: _BranchPlan, before: str, src: str, dst: str, coll: str, mesh_dim: str = "tp",
-             nbytes: int | None = None) -> dict:
+    def mark(bp: _BranchPlan, layer: int | None, before: str, src: str, dst: str, coll: str,
+             mesh_dim: str = "tp", nbytes: int | None = None) -> dict:
+        if mesh_dim == "tp" and deg.tp == 1:
+            return None  # a size-1 dim: every placement is the same tensor, nothing to move
         if nbytes is None:
             nbytes = tokens * bp.width_before[before] * act_bytes
         return {"collective": coll, "mesh_dim": mesh_dim, "bytes": int(nbytes),
                 "src": dtensor_spelling(src), "dst": dtensor_spelling(dst),
-                "branch": bp.name, "before_op": before}
+                "branch": bp.name, "before_op": before, "layer": layer}
 
-    def attach(node, red: dict) -> None:
+    def attach(node, red: dict | None) -> None:
+        if red is None:
+            return
         if node.redistribute is None:
             node.redistribute = red
         else:
@@ -172,9 +176,9 @@ def annotate(graph: Graph, strategy: Strategy, tokens: int | None = None,
                 if n.fused_op == bp.ops[0]:
                     r = bp.repair_before(n.fused_op)
                     if r:
-                        attach(n, mark(bp, n.fused_op, *r))
+                        attach(n, mark(bp, n.layer, n.fused_op, *r))
                 if bp.name == "experts" and n.fused_op == "expert_ffn1" and deg.ep > 1:
-                    attach(n, mark(bp, "dispatch", "S(0)", "S(0)", "all_to_all", "ep",
+                    attach(n, mark(bp, n.layer, "dispatch", "S(0)", "S(0)", "all_to_all", "ep",
                                    tokens * top_k * hidden * act_bytes))
         else:
             ins = [eff[i] for i in n.inputs if i in eff]
@@ -184,15 +188,19 @@ def annotate(graph: Graph, strategy: Strategy, tokens: int | None = None,
             after = bp.repair_after(n.fused_op)
             if after:
                 before, src, dst, coll = after
-                pending[n.name] = mark(bp, before, src, dst, coll)
+                red = mark(bp, n.layer, before, src, dst, coll)
+                if red is not None:
+                    pending[n.name] = red
                 eff[n.name] = dst
             if bp.name == "experts" and n.fused_op == "expert_ffn2" and deg.ep > 1:
-                red = mark(bp, "combine", "S(0)", "S(0)", "all_to_all", "ep",
+                red = mark(bp, n.layer, "combine", "S(0)", "S(0)", "all_to_all", "ep",
                            tokens * top_k * hidden * act_bytes)
                 if n.name in pending:
                     pending[n.name].setdefault("also", []).append(red)
                 else:
                     pending[n.name] = red
+        if deg.tp == 1:
+            tp = "R"
         n.placements = [("S(0)" if d in ("dp", "ep") else dtensor_spelling(tp)) for d in dims]
         if n.layer is not None and n.layer < len(stages):
             n.stage = stages[n.layer]
@@ -205,16 +213,17 @@ def annotate(graph: Graph, strategy: Strategy, tokens: int | None = None,
 
 
 def redistributions(graph: Graph) -> list[dict]:
-    """Every repair in an annotated graph, with the node and layer it sits on (flattened)."""
+    """Every repair in an annotated graph (flattened), with the node it sits on and the layer
+    and layer kind of the op whose output or input it repairs (None: embedding / lm_head)."""
+    kinds = {i: k.name for k in graph.layer_kinds for i in k.layers}
     out = []
     for n in graph.nodes:
         r = n.redistribute
         while r:
-            row = {k: v for k, v in r.items() if k != "also"}
-            row.update(node=n.name, layer=n.layer, layer_kind=n.layer_kind)
-            out.append(row)
-            for extra in r.get("also", []):
-                row2 = dict(extra, node=n.name, layer=n.layer, layer_kind=n.layer_kind)
-                out.append(row2)
+            for red in [r, *r.get("also", [])]:
+                row = {k: v for k, v in red.items() if k != "also"}
+                row.setdefault("layer", n.layer)
+                row.update(node=n.name, layer_kind=kinds.get(row["layer"]))
+                out.append(row)
             r = None
     return out
