@@ -73,7 +73,7 @@ def search_sa(sampler: LegalSampler, budget: Budget, rng: np.random.Generator,
             p = np.where(np.isfinite(p), p, 0.0)
             u = rng.random(n)
             accept = (new_fit >= old) | (old == INFEASIBLE) | ((new_fit > INFEASIBLE) & (u < p))
-            cur[:n][accept] = cand[accept]
+            cur[:n][accept] = cand[:n][accept]
             cur_fit[:n][accept] = new_fit[accept]
             step += 1
     except BudgetExhausted:

@@ -1,0 +1,196 @@
+"""``shardc bench --suite paper|zoo``: every searcher on every case of a suite (SPEC section 8).
+
+Cases are data (``shardc/search/suites.toml``). For each case: the graph (traced once, then
+cached as JSON under ``$SHARDC_CACHE`` or ``~/.cache/shardc/graphs``, keyed by a hash of the
+model file, its sibling ``.py`` files and the frontend/pass sources), the cost model, then
+``rl``, ``sa``, ``rw``, ``ga`` over ``--seeds`` seeds at ``--budget`` evaluations, and the
+``megatron`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
+``benchmarks/<suite>.json``: ``{"rows": [{case, policy, seeds, mean, best, evaluations,
+wall_s}]}``, mean/best in tok/s/GPU over seeds, evaluations and wall_s per search), the
+markdown tables ``benchmarks/<suite>.md`` and ``benchmarks/<suite>_search.png`` (best-so-far
+curves of seed 0 on the first case).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from shardc.errors import InputError
+
+HELP = "run the search benchmark suites (paper, zoo) and write tables under benchmarks/"
+SEEDED = ("rl", "sa", "rw", "ga")
+ALL_POLICIES = ("rl", "sa", "rw", "ga", "megatron", "exact")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--suite", required=True, help="paper or zoo (shardc/search/suites.toml)")
+    p.add_argument("--budget", type=int, default=None, help="evaluations per search (default: the suite's)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per searcher (default: the suite's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--jobs", type=int, default=1, help="cases in parallel processes")
+    g.add_argument("--ray", metavar="ADDRESS", default=None, help="run cases on a Ray cluster")
+    p.add_argument("--json", default=None, help="rows JSON (default benchmarks/<suite>.json)")
+    p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
+    p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated subset")
+    p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+
+
+# ------------------------------------------------------------------------------ suites
+def load_suite(name: str) -> list[dict]:
+    import tomllib
+
+    path = Path(__file__).resolve().parent.parent / "search" / "suites.toml"
+    data = tomllib.loads(path.read_text())
+    if name not in data or name == "defaults":
+        known = ", ".join(k for k in data if k != "defaults")
+        raise InputError(f"--suite {name!r}: unknown suite (known: {known})")
+    return [{**data.get("defaults", {}), **case} for case in data[name]]
+
+
+def _model_path(model: str) -> Path:
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        p = base / model
+        if p.exists():
+            return p
+    raise InputError(f"{model}: model file not found (run from the repository root)")
+
+
+def _cache_key(path: Path) -> str:
+    import shardc
+
+    h = hashlib.sha256(shardc.__version__.encode())
+    files = sorted(path.parent.glob("*.py"))
+    pkg = Path(shardc.__file__).resolve().parent
+    files += sorted((pkg / "frontends").glob("*.py")) + sorted((pkg / "passes").glob("*.py"))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_graph(model: str):
+    """The passed IR Graph of a model file, from the JSON cache when its key matches."""
+    from shardc.ir.graph import Graph
+
+    path = _model_path(model)
+    root = Path(os.environ.get("SHARDC_CACHE", Path.home() / ".cache" / "shardc")) / "graphs"
+    file = root / f"{path.stem}-{_cache_key(path)}.json"
+    if file.exists():
+        return Graph.from_json(file.read_text())
+    from shardc.frontends import load_graph
+
+    graph = load_graph(str(path))
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(graph.to_json())
+    tmp.replace(file)
+    return graph
+
+
+# ------------------------------------------------------------------------------ running
+def run_case(case: dict, policies: list[str], budget: int, seeds: int) -> dict:
+    """All policies on one case -> {"rows": [...], "curves": {policy: seed-0 curve}}."""
+    import numpy as np
+
+    from shardc.cost import CostModel
+    from shardc.ir.space import StrategySpace
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.search import run_search
+    from shardc.search.objective import cost_model_objective
+
+    graph = cached_graph(case["model"])
+    mesh = Mesh.parse(case["mesh"])
+    wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
+                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]))
+    space = StrategySpace(graph, mesh, wl)
+    objective = cost_model_objective(CostModel(graph, mesh, case["hardware"], wl), space)
+    rows, curves = [], {}
+    for pol in policies:
+        n = seeds if pol in SEEDED else 1
+        results = [run_search(pol, space, objective, budget=budget, seed=s) for s in range(n)]
+        vals = np.array([r.best_value for r in results])
+        row = {"case": case["name"], "policy": pol, "seeds": n, "mean": float(vals.mean()),
+               "best": float(vals.max()),
+               "evaluations": int(round(np.mean([r.evaluations for r in results]))),
+               "wall_s": float(np.mean([r.wall_s for r in results])),
+               "values": [float(v) for v in vals]}
+        if pol == "exact":
+            row["complete"] = bool(results[0].complete)
+        if results[0].best_action is not None:
+            row["best_strategy"] = _describe(space, results[int(vals.argmax())].best_action)
+        rows.append(row)
+        curves[pol] = results[0].curve
+    return {"rows": rows, "curves": curves}
+
+
+def _describe(space, action) -> str:
+    s = space.decode(action)
+    d = s.degrees
+    ops = ",".join(f"{k.split('.')[-1]}={v}" for k, v in s.choice_names().items())
+    return f"tp={d.tp} ep={d.ep} pp={d.pp} dp={d.dp} sp={d.sp} batch={s.batch} [{ops}]"
+
+
+def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None) -> list[dict]:
+    for model in dict.fromkeys(c["model"] for c in cases):  # trace once, in this process
+        cached_graph(model)
+    if ray_address:
+        try:
+            import ray
+        except ImportError:
+            raise InputError("--ray needs Ray: pip install 'shardc[ray]'") from None
+        ray.init(address=ray_address, ignore_reinit_error=True)
+        remote = ray.remote(run_case)
+        return ray.get([remote.remote(c, policies, budget, seeds) for c in cases])
+    if jobs <= 1:
+        out = []
+        for c in cases:
+            t0 = time.perf_counter()
+            out.append(run_case(c, policies, budget, seeds))
+            print(f"  {c['name']}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        return out
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futs = [pool.submit(run_case, c, policies, budget, seeds) for c in cases]
+        return [f.result() for f in futs]
+
+
+def run(args) -> int:
+    from shardc.search import plot_search_curve
+    from shardc.search.report import markdown
+
+    cases = load_suite(args.suite)
+    if args.cases:
+        cases = [c for c in cases if args.cases in c["name"]]
+        if not cases:
+            raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in ALL_POLICIES]
+    if bad:
+        raise InputError(f"--policies: unknown {', '.join(bad)} (expected {', '.join(ALL_POLICIES)})")
+    budget = args.budget or int(cases[0]["budget"])
+    seeds = args.seeds or int(cases[0]["seeds"])
+    if budget < 1 or seeds < 1 or args.jobs < 1:
+        raise InputError("--budget, --seeds and --jobs must be positive")
+    results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray)
+    rows = [r for res in results for r in res["rows"]]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = Path(args.json) if args.json else out / f"{args.suite}.json"
+    jpath.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    cmd = " ".join(["shardc", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
+        f"shardc bench --suite {args.suite} --budget {budget} --seeds {seeds}"
+    (out / f"{args.suite}.md").write_text(markdown(args.suite, rows, cmd))
+    first = results[0]
+    by = {r["policy"]: r for r in first["rows"]}
+    plot_search_curve(out / f"{args.suite}_search.png",
+                      {p: c for p, c in first["curves"].items() if p in SEEDED},
+                      megatron=by.get("megatron", {}).get("best"),
+                      exact=by.get("exact", {}).get("best"), title=cases[0]["name"] + " (seed 0)")
+    print(f"wrote {jpath}, {out / (args.suite + '.md')}")
+    return 0
