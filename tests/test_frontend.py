@@ -131,3 +131,20 @@ def test_full_size_mixtral_traces_with_exact_param_count():
 
 def test_tiny_list_is_traceable():
     assert all((EXAMPLES / f"{n}.py").exists() for n in TINY)
+
+
+def test_qwen3_moe_with_a_dense_first_layer():
+    from transformers import Qwen3MoeConfig
+
+    from shardc.frontends.hf_build import build_causal_lm, token_ids
+
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, head_dim=8,
+                         mlp_only_layers=[0])
+    model = build_causal_lm(cfg, device="cpu", dtype=torch.float32)
+    g = graph_from_module(model, token_ids(256), name="qwen3_moe")
+    assert [(k.name, k.count) for k in g.layer_kinds] == [("dense_block", 1), ("moe_block", 1)]
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    assert g.config["num_experts"] == 8 and g.config["top_k"] == 2 and g.config["kv_heads"] == 4
+    assert g.nodes[0].name == "input_ids" and not g.warnings

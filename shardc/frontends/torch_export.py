@@ -9,7 +9,8 @@ Raw IR produced here (canonicalise turns it into op kinds, FLOPs and bytes):
 
 * one :class:`Node` per ``call_function`` with an output, ``op = "other"`` until
   canonicalised, ``target`` = the op's string (``aten.linear.default``);
-* graph inputs -> ``op = "input"`` nodes, the graph output -> one ``op = "output"`` node;
+* graph inputs -> ``op = "input"`` nodes (``input_ids``, ``input_1`` ...), the graph output ->
+  one ``op = "output"`` node;
 * parameters are not nodes: a parameter placeholder, and any pure view/cast of it
   (``transpose``, ``t``, ``view``, ``to`` ...), is an *alias* of the parameter, and the
   :class:`Param` record is attached to the node that consumes it;
@@ -179,6 +180,7 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
     graph = Graph(name=name, source=source, params=list(params.values()))
     alias: dict[str, list[Param]] = {}  # fx name -> params it is a view of
     produced: set[str] = set()  # fx names that are IR nodes (valid inputs)
+    rename: dict[str, str] = {}  # graph inputs: args_0 -> input_ids
     nodes: list[Node] = []
 
     for fx in ep.graph.nodes:
@@ -192,13 +194,15 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                 alias[fx.name] = [p]
             elif fx.name in user_inputs:
                 shape, dt, _ = _output_meta(fx.meta.get("val"))
-                nodes.append(Node(name=fx.name, op="input", target="input",
+                count = sum(1 for n in nodes if n.op == "input")
+                rename[fx.name] = "input_ids" if count == 0 else f"input_{count}"
+                nodes.append(Node(name=rename[fx.name], op="input", target="input",
                                   output_shape=shape, dtype=dt))
                 produced.add(fx.name)
             continue
         if fx.op == "output":
-            outs = [a.name for a in _flat_args(fx.args) if isinstance(a, torch.fx.Node)
-                    and a.name in produced]
+            outs = [rename.get(a.name, a.name) for a in _flat_args(fx.args)
+                    if isinstance(a, torch.fx.Node) and a.name in produced]
             shapes = [nodes_by_name_shape(nodes, o) for o in outs]
             nodes.append(Node(name="output", op="output", target="output", inputs=outs,
                               input_shapes=shapes, output_shape=shapes[0] if shapes else [],
@@ -228,7 +232,7 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                     if p not in node_params:
                         node_params.append(p)
             elif a.name in produced:
-                inputs.append(a.name)
+                inputs.append(rename.get(a.name, a.name))
                 in_shapes.append(_output_meta(a.meta.get("val"))[0])
         mpath = _module_path(fx, prefix)
         node = Node(name=fx.name, op="other", target=tname, inputs=inputs, input_shapes=in_shapes,
