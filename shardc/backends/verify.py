@@ -156,8 +156,14 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
     with tempfile.TemporaryDirectory(prefix="shardc-verify-") as tmp:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), payload, batch, seq, tmp),
                                  nprocs=world, join=False, start_method="spawn")
-        while not ctx.join(timeout=timeout_s):
-            pass
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.terminate()
+                raise TimeoutError(f"verify workers did not finish in {timeout_s:.0f} s")
         per_rank = []
         for r in range(world):
             p = os.path.join(tmp, f"rank{r}.json")
