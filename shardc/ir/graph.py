@@ -118,8 +118,14 @@ class FusedOp:
     token (experts: counted for the top-k active experts).
     ``attrs`` holds kind-specific facts: for ``attn_core`` ``heads``, ``kv_heads``,
     ``head_dim``, ``v_head_dim``, ``kv_cache_elems_per_token`` (per layer, K+V),
-    ``kv_cache_split_by_heads`` (False for MLA's shared latent cache); for expert ops
-    ``num_experts``, ``top_k``; for ffn1-like ops ``gated`` (SwiGLU).
+    ``kv_cache_split_by_heads`` (False for MLA's shared latent cache) and
+    ``flops_per_token_per_context`` = ``2 * heads * (head_dim + v_head_dim)`` (QK^T and PV per
+    cached position; ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
+    ``out_features`` = heads * v_head_dim); for expert ops ``num_experts``, ``top_k``,
+    ``gated``; for ffn1-like ops ``gated`` (SwiGLU); for shared-expert ops ``num_shared``.
+    ``qkv`` of MLA: ``out_features`` = q and kv up-projection outputs; the low-rank down
+    projections are in ``params`` but not ``shardable_params``. ``lm_head`` tied to the
+    embedding has ``params`` 0 and ``attrs["tied_to"] = "embedding"``.
     """
 
     name: str
