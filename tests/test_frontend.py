@@ -148,3 +148,19 @@ def test_qwen3_moe_with_a_dense_first_layer():
     assert g.num_params == sum(p.numel() for p in model.parameters())
     assert g.config["num_experts"] == 8 and g.config["top_k"] == 2 and g.config["kv_heads"] == 4
     assert g.nodes[0].name == "input_ids" and not g.warnings
+
+
+def test_tied_embedding_counted_once():
+    from transformers import LlamaConfig
+
+    from shardc.frontends.hf_build import build_causal_lm, token_ids
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = build_causal_lm(cfg, device="cpu", dtype=torch.float32)
+    g = graph_from_module(model, token_ids(128), name="tied")
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    head = g.global_op("lm_head")
+    assert head.params == 0 and head.attrs["tied_to"] == "embedding"
+    assert head.flops_per_token == 2 * 32 * 128
+    assert g.config["other_global_params"] == 32
