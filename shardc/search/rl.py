@@ -26,6 +26,11 @@ under the current policy, so the clipped ratio bounds how fast they are imitated
 a freshly re-initialised network return to the best region quickly instead of rediscovering
 it; it is an addition to the paper's recipe, on by default, and documented in
 benchmarks/paper.md.
+
+Hyper-parameters (``RLConfig``) were chosen on GPT-MoE 1.2T, decode 16k (mean of the best
+value over seeds 0-4, fraction of the exact optimum): batch 32 / entropy 0.01 0.970;
+entropy 0 0.999 (seeds 0-2) but 0.982 (seeds 3-7); entropy 0 without elite replay 0.975;
+entropy 0 with 2 epochs 0.967; lr 3e-3 0.926; batch 64 / entropy 0 0.9975 (the default).
 """
 
 from __future__ import annotations
@@ -43,12 +48,12 @@ from shardc.search.policy import EliteHistory, ElitePolicy, masked_log_probs, sa
 
 @dataclass
 class RLConfig:
-    batch: int = 32  # actions sampled (and evaluated) per update
+    batch: int = 64  # actions sampled (and evaluated) per update
     history: int = 3  # T, rows of the elite history
     lr: float = 1e-3  # Adam, cosine-annealed to 0 over each chunk
     epochs: int = 4  # PPO passes over each batch
     clip: float = 0.2
-    entropy_coef: float = 0.01
+    entropy_coef: float = 0.0  # the confidence restarts do the exploring
     alpha: float = 1.0
     beta: float = 1.0
     infeasible_reward: float = -1.0
