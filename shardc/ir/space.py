@@ -100,17 +100,20 @@ class StrategySpace:
         """[n_slots, 3] legal choices at tensor-parallel degree ``tp``."""
         cfg = self.graph.config
         heads = int(cfg.get("heads", 1) or 1)
+        kv_heads = int(cfg.get("kv_heads", heads) or heads)
+        # A heads split must split the KV heads too (GQA groups stay whole on a rank).
+        heads_split_ok = heads % tp == 0 and kv_heads % tp == 0
         mask = np.ones((len(self.op_slots), NUM_CHOICES), dtype=bool)
         for i, slot in enumerate(self.op_slots):
             fop, op = self._fused(slot)
             if op == "attn_core":
-                mask[i, 0] = heads % tp == 0
+                mask[i, 0] = heads_split_ok
             elif op in ("qkv",):
-                mask[i, 0] = heads % tp == 0
+                mask[i, 0] = heads_split_ok
                 mask[i, 1] = fop.in_features % tp == 0
             elif op == "out_proj":
                 mask[i, 0] = fop.out_features % tp == 0
-                mask[i, 1] = heads % tp == 0
+                mask[i, 1] = heads_split_ok
             elif op == "embedding":
                 mask[i, 0] = fop.in_features % tp == 0  # vocab
                 mask[i, 1] = fop.out_features % tp == 0  # hidden
