@@ -80,7 +80,8 @@ class Plan:
                  f"batch={self.workload.get('batch')}"]
         if p.get("tok_s_per_gpu") is not None:
             lines.append(f"predicted {p['tok_s_per_gpu']:.1f} tok/s/GPU, TPOT "
-                         f"{p.get('tpot_ms')} ms, memory {p.get('memory_gb_per_gpu')} GB/GPU")
+                         f"{p.get('tpot_ms', 0):.2f} ms, memory "
+                         f"{p.get('memory_gb_per_gpu', 0):.1f} GB/GPU")
         for o in self.ops:
             lines.append(f"  {o['name']:<28} {o['choice']}")
         text = "\n".join(lines)

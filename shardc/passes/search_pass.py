@@ -17,7 +17,7 @@ import numpy as np
 from shardc.cost import CostModel, min_gpus_needed
 from shardc.errors import InfeasibleError
 from shardc.ir.graph import Graph
-from shardc.ir.space import StrategySpace
+from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choices
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
 from shardc.search import SearchResult, run_search
@@ -57,6 +57,20 @@ def _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed
     return f"no feasible plan on mesh {mesh} ({hardware.name}): {top}"
 
 
+def _canonical_when_tp1(space, objective, action, value):
+    """With tp = 1 every per-op choice costs the same; report Megatron's names (if the cost
+    model agrees the value is unchanged) instead of whatever the searcher happened on."""
+    action = np.asarray(action, dtype=np.int64).copy()
+    if space.values["tp"][int(action[0])] != 1:
+        return action
+    alt = action.copy()
+    alt[len(DEGREE_COMPONENTS):] = megatron_op_choices(space, int(action[0]))
+    alt_value, alt_ok = objective(alt[None, :])
+    if bool(alt_ok[0]) and float(alt_value[0]) >= float(value) * (1 - 1e-12):
+        return alt
+    return action
+
+
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
                 budget: int = 4000, seed: int = 0, progress=None) -> SearchOutcome:
     """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits."""
@@ -71,6 +85,7 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
             _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed))
-    strategy = space.decode(result.best_action)
+    best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
+    strategy = space.decode(best)
     annotated = annotate(graph, strategy)
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron)
