@@ -96,6 +96,34 @@ def test_parity_unoptimised_bfloat16_export(tmp_path):
     assert _kinds(og) == _kinds(tg)
 
 
+def test_tied_weights_and_dynamic_shapes(tmp_path):
+    """Tied embedding / LM head counted once; an export with symbolic batch and sequence
+    is traced at 1 x 16 tokens (the exporter's ``seq + 1`` style dims are evaluated)."""
+    from shardc.frontends.hf_build import build_causal_lm
+
+    torch.set_num_threads(1)
+    src = load_model_file(EXAMPLES / "tiny_llama.py")
+    import llama3_70b  # put on sys.path by the model-file loader
+
+    config = llama3_70b.tiny_config()
+    config.tie_word_embeddings = True
+    model = build_causal_lm(config, device="cpu", dtype=torch.float32)
+    _, inputs = src.build(tiny=True)
+    assert list(inputs[0].shape) == [1, 16]
+    tg = graph_from_module(model, inputs)
+    path = tmp_path / "dynamic.onnx"
+    example = (torch.randint(0, 256, (2, 24)),)
+    torch.onnx.export(model, example, str(path), dynamo=True, verbose=False,
+                      dynamic_shapes=({0: "batch", 1: "seq"},))
+    og = load_graph(path)
+    assert og.num_params == tg.num_params == sum(p.numel() for p in model.parameters())
+    assert og.tokens == 16
+    assert any("batch=1" in w and "seq=16" in w for w in og.warnings)
+    assert og.flops_by_kind() == {k: v for k, v in tg.flops_by_kind().items()
+                                  if k in og.flops_by_kind()}
+    assert _kinds(og) == _kinds(tg)
+
+
 def test_folded_transposes_map_back_to_fqns(exported):
     """The exporter's optimiser stores linear weights pre-transposed under new names
     (``val_123`` = W^T); the frontend restores the FQN and the torch [out, in] shape."""

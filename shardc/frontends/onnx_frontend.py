@@ -113,9 +113,11 @@ class _ParamResolver:
             self.by_fqn[fqn] = Param(fqn=fqn, shape=shape, dtype=dtype_name(elem_type))
         return self.by_fqn[fqn]
 
-    def resolve(self, name: str, consumer, index: int, prov: Provenance) -> Param | None:
+    def resolve(self, name: str, consumer, index: int, prov: Provenance,
+                group_inits: set[str]) -> Param | None:
         """The parameter that initializer ``name``, read by ONNX node ``consumer`` (input
-        ``index``) of the FX node ``prov``, stands for; None for a plain constant."""
+        ``index``) of the FX node ``prov`` (whose ONNX nodes read ``group_inits``), stands
+        for; None for a plain constant."""
         key = (name, prov.fx_name)
         if key in self.cache:
             return self.cache[key]
@@ -136,7 +138,7 @@ class _ParamResolver:
         elif init.is_float and refs:
             # folded (val_123 = W^T) or de-duplicated (identical norm weights share one
             # initializer named after the first): the FX node says which parameter it reads
-            direct = {r for r in refs if r in self.model.initializers and r != name}
+            direct = {r for r in refs if r in group_inits and r != name}
             free = [f for f in refs if f not in direct]
             matches = [f for f in free if self._numel_ok(f, init.numel, refs)] or free
             if matches:
@@ -228,6 +230,7 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
             continue
         internal = set(grp.outputs)
         external: list[str] = []  # values read from other IR nodes, in reading order
+        group_inits = {v for n in grp.nodes for v in n.input if v in init_names}
         params: list[Param] = []
         for node in grp.nodes:
             for idx, v in enumerate(node.input):
@@ -236,7 +239,7 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
                 if v in alias:
                     params.extend(p for p in alias[v] if p not in params)
                 elif v in init_names:
-                    p = resolver.resolve(v, node, idx, grp.prov)
+                    p = resolver.resolve(v, node, idx, grp.prov, group_inits)
                     if p is not None and p not in params:
                         params.append(p)
                 elif v in producer and v not in external:
@@ -311,6 +314,7 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
                     used_names.add(v)
                     producer[v] = v
 
+    _hoist_shared_views(nodes)
     outs = [producer[o.name] for o in g.output if o.name in producer]
     shapes = [model.shapes.get(o.name, []) for o in g.output if o.name in producer]
     nodes.append(Node(name="output", op="output", target="output", inputs=outs, input_shapes=shapes,
@@ -323,12 +327,31 @@ def onnx_to_raw_graph(model: OnnxModel, name: str = "") -> Graph:
                         "initializers named like parameters")
     missing = [f for f in resolver.fqns if f not in resolver.by_fqn]
     if missing:
-        warnings.append(f"{len(missing)} parameters of the exporter's signature are not in the "
-                        f"ONNX graph (not counted), e.g. {missing[0]}")
+        warnings.append(f"{len(missing)} parameters of the exporter's signature are not read "
+                        f"by the ONNX graph (tied to another or unused; not counted), e.g. "
+                        f"{missing[0]}")
     graph = Graph(name=name or Path(model.path).stem, source=model.path, nodes=nodes,
                   params=resolver.params(), warnings=warnings)
     graph.tokens = _tokens(graph)
     return graph
+
+
+def _hoist_shared_views(nodes: list[Node]) -> None:
+    """A view the exporter's optimiser de-duplicated across layers (e.g. the rotary
+    ``cos.unsqueeze(1)`` of layer 0 reused by every layer) belongs to no single layer:
+    ``layer = None``, ``attrs["shared_by_layers"]`` lists the layers reading it."""
+    readers: dict[str, set[int]] = {}
+    for n in nodes:
+        if n.layer is not None:
+            for i in n.inputs:
+                readers.setdefault(i, set()).add(n.layer)
+    for n in nodes:
+        layers = readers.get(n.name, set())
+        ops = n.attrs.get("onnx_ops", [])
+        if n.layer is not None and len(layers) > 1 and ops and all(onnx_kind(o) == "view"
+                                                                    for o in ops):
+            n.attrs["shared_by_layers"] = sorted(layers)
+            n.layer = None
 
 
 def _main_output(grp: _Group) -> str:

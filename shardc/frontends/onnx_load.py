@@ -179,8 +179,78 @@ def _record_value(info: onnx.ValueInfoProto, shapes: dict, types: dict) -> None:
         shapes[info.name] = [int(d.dim_value) for d in t.shape.dim]
 
 
-def load_onnx(path: str | os.PathLike) -> OnnxModel:
-    """Read, check and shape-infer ``path`` (see module doc); raises one-line InputError."""
+def _fix_symbolic_inputs(proto: onnx.ModelProto, batch: int, seq: int) -> dict[str, int]:
+    """Give symbolic graph-input dims concrete sizes (in place): a symbol first seen as dim 0
+    is the batch, one whose name mentions ``past`` is an empty KV cache (0), any other is the
+    sequence. Returns ``{symbol: size}``; clears value_info that may hold symbolic shapes."""
+    g = proto.graph
+    inits = {i.name for i in g.initializer}
+    sizes: dict[str, int] = {}
+    for inp in g.input:
+        if inp.name in inits or not inp.type.HasField("tensor_type"):
+            continue
+        for i, d in enumerate(inp.type.tensor_type.shape.dim):
+            if d.HasField("dim_value"):
+                continue
+            sym = d.dim_param or f"{inp.name}[{i}]"
+            if sym not in sizes:
+                sizes[sym] = 0 if "past" in sym.lower() else batch if i == 0 else seq
+            d.dim_value = sizes[sym]
+    return sizes
+
+
+def _symbolic_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str]]:
+    """value -> dims as recorded by the exporter (``dim_param`` strings such as ``"seq + 1"``)."""
+    out: dict[str, list[int | str]] = {}
+    for info in list(proto.graph.value_info) + list(proto.graph.output):
+        t = info.type.tensor_type
+        if info.type.HasField("tensor_type") and t.HasField("shape"):
+            out[info.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param
+                              for d in t.shape.dim]
+    return out
+
+
+_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+           ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b,
+           ast.Mod: lambda a, b: a % b}
+
+
+def eval_dim(expr: int | str, sizes: dict[str, int]) -> int | None:
+    """Size of a symbolic dim (``"seq + 1"``, ``"2*batch"``, ``"Max(1, seq)"``) given symbol
+    sizes; None if it is not an integer expression of known symbols."""
+    if isinstance(expr, int):
+        return expr
+    if not expr:
+        return None
+
+    def ev(n):
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):
+            return n.value
+        if isinstance(n, ast.Name):
+            return sizes[n.id]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
+            return _BINOPS[type(n.op)](ev(n.left), ev(n.right))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("Max", "Min"):
+            vals = [ev(a) for a in n.args]
+            return max(vals) if n.func.id == "Max" else min(vals)
+        raise ValueError(expr)
+
+    try:
+        value = ev(ast.parse(expr, mode="eval"))
+    except (ValueError, KeyError, SyntaxError, ZeroDivisionError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def load_onnx(path: str | os.PathLike, batch: int = 1, seq: int = 16) -> OnnxModel:
+    """Read, check and shape-infer ``path`` (see module doc); raises one-line InputError.
+
+    Symbolic (dynamic) input dims are traced at ``batch`` x ``seq`` tokens (the torch
+    frontend's example is 1 x 16) and a warning records the sizes chosen."""
     path = os.fspath(path)
     proto = _read_proto(path)
     opset = _default_opset(path, proto)
@@ -190,6 +260,8 @@ def load_onnx(path: str | os.PathLike) -> OnnxModel:
             proto = onnx.inliner.inline_local_functions(proto)
         except Exception as e:
             raise _fail(path, f"cannot inline the model's local functions: {e}") from e
+    recorded = _symbolic_shapes(proto)
+    symbols = _fix_symbolic_inputs(proto, batch, seq)
     try:
         proto = shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as e:
@@ -211,12 +283,21 @@ def load_onnx(path: str | os.PathLike) -> OnnxModel:
                     model.elem_types[node.output[0]] = a.t.data_type
     for info in list(g.input) + list(g.value_info) + list(g.output):
         _record_value(info, model.shapes, model.elem_types)
+    if symbols:  # shapes inference could not resolve (e.g. after Range): the exporter's own
+        for name, dims in recorded.items():
+            if name not in model.shapes:
+                sized = [eval_dim(d, symbols) for d in dims]
+                if all(d is not None for d in sized):
+                    model.shapes[name] = sized
 
     meta = {p.key: p.value for p in list(proto.metadata_props) + list(g.metadata_props)}
     for line in meta.get(_SIGNATURE_KEY, "").splitlines():
         m = _SIGNATURE_LINE.match(line)
         if m:
             model.param_targets[m.group(1)] = m.group(2)
+    if symbols:
+        model.warnings.append("symbolic input dims set to " + ", ".join(
+            f"{k}={v}" for k, v in symbols.items()) + " (batch, sequence; 'past' = empty cache)")
     unknown_domains = sorted({n.domain for n in g.node if n.domain not in ("", "ai.onnx")})
     if unknown_domains:
         model.warnings.append(f"operators from non-standard domains {unknown_domains} are "
