@@ -173,6 +173,20 @@ def test_compile_same_plan_from_either_frontend(exported):
     assert [(o["name"], o["choice"]) for o in d0["ops"]] == [(o["name"], o["choice"]) for o in d1["ops"]]
 
 
+def test_inspect_onnx_json(exported, tmp_path, capsys):
+    import json
+
+    name, tg, path, model = exported
+    out = tmp_path / "inspect.json"
+    assert shardc_main(["inspect", str(path), "--format", "json", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"]["params"] == tg.num_params and doc["model"]["layers"] == 2
+    assert [(k["name"], k["count"]) for k in doc["layer_kinds"]] == \
+        [(k.name, k.count) for k in tg.layer_kinds]
+    attention = [n for n in doc["nodes"] if n["op"] == "attention" and n["layer"] == 0]
+    assert len(attention) == 1 and attention[0]["fused_op"] == "attn_core"
+
+
 # ---- errors ---------------------------------------------------------------------------
 def _cli(args, capsys) -> tuple[int, str]:
     code = shardc_main(args)
