@@ -69,9 +69,9 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
         "tok_s_per_gpu": float(mega.best_value) if mega.best_action is not None else None,
     }}
     search_info = {
-        "policy": search, "budget": int(budget), "evaluations": int(outcome.result.evaluations),
-        "seed": int(seed), "wall_s": round(wall_s, 3),
-        "best_curve": [[int(e), float(v)] for e, v in outcome.result.curve],
+        "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
+        "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,
+        "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
     }
     plan = build_plan(graph=outcome.graph, strategy=outcome.strategy, mesh=mesh,
                       hardware=hw.name, workload=workload, predicted=explanation.predicted,

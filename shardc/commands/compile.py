@@ -78,6 +78,9 @@ def summary_table(plan) -> str:
         ["memory/GPU (GB)", f"{pred['memory_gb_per_gpu']:.1f}"],
         ["vs Megatron heuristic", ratio or "-"],
     ]
+    if plan.search.get("chosen_from") == "megatron" and plan.search.get("policy") != "megatron":
+        rows.append(["note", f"{plan.search['policy']} found nothing better than the Megatron "
+                             "heuristic within its budget; its plan is kept"])
     return tabulate(rows, tablefmt="simple")
 
 
@@ -114,6 +117,6 @@ def run(args) -> int:
 def _plot(path, outcome) -> None:
     from shardc.search import plot_search_curve
 
-    curves = {outcome.result.policy: outcome.result.curve}
+    curves = {outcome.searched.policy: outcome.searched.curve}
     plot_search_curve(path, curves, megatron=outcome.megatron.best_value,
                       exact=outcome.exact_value)

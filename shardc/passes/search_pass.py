@@ -34,6 +34,8 @@ class SearchOutcome:
     result: SearchResult
     megatron: SearchResult
     exact_value: float | None = None
+    chosen_from: str = "rl"  # the policy whose strategy was kept ("megatron" if it was better)
+    searched: SearchResult | None = None  # the requested searcher's own result
 
 
 def _objective(cost_model: CostModel, space: StrategySpace):
@@ -82,10 +84,17 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
         result = megatron
     else:
         result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
+    searched = result
+    chosen_from = policy
+    if (megatron.best_action is not None and np.isfinite(megatron.best_value)
+            and (result.best_action is None or megatron.best_value > result.best_value)):
+        # Never hand back a plan worse than the baseline computed in the same run.
+        result, chosen_from = megatron, "megatron"
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
             _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed))
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
     annotated = annotate(graph, strategy)
-    return SearchOutcome(annotated, strategy, space, cost_model, result, megatron)
+    return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
+                         chosen_from=chosen_from, searched=searched)
