@@ -133,8 +133,8 @@ def _check_external_data(path: str, proto: onnx.ModelProto) -> None:
         target = (base / location).resolve()
         if location not in sizes:
             if not target.is_file():
-                raise _fail(path, f"external data file '{location}' (for initializer "
-                                  f"'{tensor.name}') not found in {base}")
+                raise _fail(path, f"external data file '{location}' is missing (needed by "
+                                  f"initializer '{tensor.name}'; looked in {base})")
             sizes[location] = target.stat().st_size
         end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
         if end > sizes[location]:
