@@ -213,6 +213,15 @@ def test_missing_external_data_is_exit_2_one_line(exported, tmp_path, capsys):
     assert "external data file" in err and f"{path.name}.data" in err
 
 
+def test_truncated_external_data_is_exit_2(exported, tmp_path, capsys):
+    name, tg, path, model = exported
+    shutil.copy(path, tmp_path / path.name)
+    data = (path.parent / f"{path.name}.data").read_bytes()
+    (tmp_path / f"{path.name}.data").write_bytes(data[: len(data) // 2])
+    code, err = _cli(["inspect", str(tmp_path / path.name)], capsys)
+    assert code == 2 and "is truncated" in err and err.count("\n") == 1
+
+
 def _tiny_graph(opset: int, extra_node=None) -> onnx.ModelProto:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])
