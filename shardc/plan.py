@@ -179,7 +179,8 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
               ttft_slo_ms=float(workload.ttft_slo_ms))
     nodes = [{"name": n.name, "op": n.op, "shape": list(n.output_shape),
               "placements": list(n.placements or []), "redistribute": n.redistribute,
-              "stage": n.stage} for n in g.nodes]
+              "stage": n.stage, "layer": n.layer, "fused_op": n.fused_op,
+              "layer_kind": n.layer_kind} for n in g.nodes]
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
         model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),

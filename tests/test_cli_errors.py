@@ -92,6 +92,7 @@ def test_unknown_search_policy_and_bad_budget(capsys):
     with pytest.raises(SystemExit) as e:
         main(["compile", TINY, "--mesh", "8x1", "--search", "magic"])
     assert e.value.code == 2
+    capsys.readouterr()
     code, err = run_cli(capsys, "compile", TINY, "--mesh", "8x1", "--budget", "0")
     assert code == 2
     assert_one_line(err)

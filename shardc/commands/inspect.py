@@ -15,13 +15,13 @@ import sys
 from tabulate import tabulate
 
 from shardc.errors import InputError
-from shardc.ir.graph import FUSED_OP_NAMES, OP_KINDS, Graph, Node
+from shardc.ir.graph import FUSED_OP_NAMES, OP_KINDS, Graph, Node, Param
 
 HELP = "Show the operator graph of a model: nodes, op kinds, shapes, fused ops, layer kinds."
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", help="model file (.py), .onnx, or HF config.json")
+    p.add_argument("model", help="model file (.py), .onnx, HF config.json, or a plan.json")
     p.add_argument("--layer", type=int, default=None, help="only nodes of decoder layer N")
     p.add_argument("--op", default=None,
                    help="only nodes of this op kind (linear, attention, ...) or fused op (qkv, ...)")
@@ -130,10 +130,42 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+def graph_from_plan(path: str) -> Graph:
+    """An annotated graph dump: plan.json (validated, schema_version 1) -> Graph whose nodes
+    carry the plan's placements and redistributions."""
+    from shardc.ir.graph import LayerKind
+    from shardc.plan import load_plan
+
+    plan = load_plan(path)
+    nodes = [Node(name=n["name"], op=n["op"], output_shape=list(n.get("shape") or []),
+                  placements=list(n.get("placements") or []), redistribute=n.get("redistribute"),
+                  stage=n.get("stage"), layer=n.get("layer"), fused_op=n.get("fused_op"),
+                  layer_kind=n.get("layer_kind")) for n in plan.nodes]
+    kinds = [LayerKind(name=k["name"], count=int(k["count"]), layers=list(k.get("layers", [])))
+             for k in plan.layer_kinds]
+    params = [Param(fqn=p["fqn"], shape=list(p["shape"])) for p in plan.params]
+    return Graph(name=plan.model["name"], source=plan.model.get("source", ""), nodes=nodes,
+                 params=params, layer_kinds=kinds)
+
+
+def _is_plan_file(path: str) -> bool:
+    """A ``.json`` that is not an HF config (no ``model_type``) is read as a plan.json."""
+    if not path.endswith(".json"):
+        return False
+    try:
+        with open(path) as f:
+            return '"model_type"' not in f.read()
+    except OSError:
+        return False  # let the model loader say the file is missing
+
+
 def run(args) -> int:
     from shardc.frontends import load_graph
 
-    graph = load_graph(args.model, tiny=args.tiny)
+    if _is_plan_file(args.model):
+        graph = graph_from_plan(args.model)
+    else:
+        graph = load_graph(args.model, tiny=args.tiny)
     nodes = select_nodes(graph, args.layer, args.op)
     if args.format == "json":
         text = json.dumps(graph_json(graph, nodes), indent=1, sort_keys=True) + "\n"
