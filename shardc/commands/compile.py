@@ -100,17 +100,23 @@ def run(args) -> int:
             bar.close()
     out = Path(args.out) if args.out else Path("shardc_out") / plan.model["name"]
     outcome = plan._outcome
+    from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
-        "parallelize.py": plan.code(),
         "graph.txt": graph_table(plan.nodes),
         "graph.dot": graph_dot(outcome.graph),
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome),
     }
+    if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
+        files["parallelize.py"] = plan.code()
     written = write_outputs(out, files)
     print(summary_table(plan))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    if from_onnx:
+        from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE
+
+        print(ONNX_PARALLELIZE_NOTE)
     return 0
 
 
