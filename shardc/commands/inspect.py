@@ -29,6 +29,10 @@ def add_arguments(p) -> None:
     p.add_argument("--all", action="store_true", help="table: every node, views included")
     p.add_argument("--tiny", action="store_true", help="trace the file's tiny_model()")
     p.add_argument("--out", default=None, help="write to this file instead of stdout")
+    p.add_argument("--mesh", default=None,
+                   help="GxN: also report the size of the strategy space on this mesh")
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill"],
+                   help="workload phase for --mesh (prefill adds the sp choice)")
 
 
 def select_nodes(graph: Graph, layer: int | None = None, op: str | None = None) -> list[Node]:
@@ -130,6 +134,28 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+def space_summary(graph: Graph, mesh_text: str, phase: str = "decode") -> dict:
+    """Size of the search space of SPEC section 7 on a mesh: candidate values per degree,
+    per-op slots, and joint configurations before / after masking illegal op choices."""
+    import numpy as np
+
+    from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
+    from shardc.ir.strategy import Mesh, Workload
+
+    space = StrategySpace(graph, Mesh.parse(mesh_text), Workload(phase=phase))
+    legal = 0
+    others = 1
+    for c in DEGREE_COMPONENTS:
+        if c != "tp":
+            others *= len(space.values[c])
+    for tp_idx in range(len(space.values["tp"])):
+        per_op = space.op_masks(np.array([tp_idx]))[0].sum(axis=1)
+        legal += others * int(np.prod(per_op.astype(object)))
+    return {"mesh": mesh_text, "degrees": {c: space.values[c] for c in DEGREE_COMPONENTS},
+            "op_slots": space.op_slots, "configurations": space.size,
+            "legal_configurations": legal}
+
+
 def graph_from_plan(path: str) -> Graph:
     """An annotated graph dump: plan.json (validated, schema_version 1) -> Graph whose nodes
     carry the plan's placements and redistributions."""
@@ -167,13 +193,22 @@ def run(args) -> int:
     else:
         graph = load_graph(args.model, tiny=args.tiny)
     nodes = select_nodes(graph, args.layer, args.op)
+    space = space_summary(graph, args.mesh, args.phase) if args.mesh else None
     if args.format == "json":
-        text = json.dumps(graph_json(graph, nodes), indent=1, sort_keys=True) + "\n"
+        doc = graph_json(graph, nodes)
+        if space:
+            doc["space"] = space
+        text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
     elif args.format == "dot":
         text = graph_dot(graph, nodes)
     else:
         condensed = not args.all and args.layer is None and args.op is None
         text = graph_table(graph, nodes, condensed)
+        if space:
+            deg = " ".join(f"{k}{v}" for k, v in space["degrees"].items())
+            text = (f"strategy space on {space['mesh']}: {deg} x 3^{len(space['op_slots'])} op "
+                    f"choices = {space['configurations']:.3g} configurations "
+                    f"({space['legal_configurations']:.3g} legal)\n") + text
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
