@@ -184,3 +184,80 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
     for (coll, _dim), n in want.items():
         want_by_kind[coll] += n
     assert got == want_by_kind, (got, want)
+
+
+@functools.lru_cache(maxsize=None)
+def _deepseek_short_graph():
+    """Full-width DeepSeek-V3 IR with one dense and one MoE layer (the cost model's
+    per-layer collectives do not depend on the layer count)."""
+    import deepseek_v3
+
+    from shardc.frontends import graph_from_module
+    from shardc.frontends.hf_build import build_causal_lm
+
+    cfg = deepseek_v3.config()
+    cfg.num_hidden_layers, cfg.first_k_dense_replace = 2, 1
+    ids = (torch.zeros(1, 16, dtype=torch.long),)
+    return graph_from_module(build_causal_lm(cfg), ids, name="deepseek_v3")
+
+
+DEEPSEEK_CASES = [
+    # (degrees on 8x32, overrides of the Megatron choices, applied to both layer kinds)
+    ({"tp": 8, "ep": 32}, {}),
+    ({"tp": 8, "ep": 16, "pp": 2},
+     {"qkv": "row", "attn_core": "batch", "out_proj": "col", "ffn1": "row", "ffn2": "col",
+      "shared_ffn1": "rep", "shared_ffn2": "rep", "router": "col", "expert_ffn2": "col"}),
+]
+
+
+@pytest.mark.parametrize("degrees,overrides", DEEPSEEK_CASES,
+                         ids=["megatron-tp8-ep32", "batch-attention-row-qkv-tp8-ep16-pp2"])
+def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
+    """MLA (heads / batch split), shared experts and EP experts at full size on 8x32:
+    local shapes = plan.json, collectives of one dense and one MoE layer = explain."""
+    import deepseek_v3
+
+    fake_world(256)
+    model = deepseek_v3.build_model()
+    kinds = default_layer_kinds(model)
+    assert kinds[2] == "dense_block" and kinds[3] == "moe_block"
+    ops = {"dense_block": ("qkv", "attn_core", "out_proj", "ffn1", "ffn2"),
+           "moe_block": ("qkv", "attn_core", "out_proj", "shared_ffn1", "shared_ffn2",
+                         "router", "expert_ffn1", "expert_ffn2")}
+    megatron = dict(MEGATRON, shared_ffn1="col", shared_ffn2="row")
+    choices = {"embedding": "vocab", "lm_head": "col"}
+    for kind, names in ops.items():
+        choices.update({f"{kind}.{o}": overrides.get(o, megatron[o]) for o in names})
+    strategy = strategy_from_names(degrees, choices, 16)
+    graph = _deepseek_short_graph()
+    assert {k.name: sorted(o.name for o in k.ops) for k in graph.layer_kinds} == \
+        {k: sorted(v) for k, v in ops.items()}  # the IR's slots are the backend's
+    params = [(n, list(p.shape)) for n, p in model.named_parameters()]
+    expected = {r["fqn"]: r for r in param_plan(params, strategy, kinds)}
+    apply(model, strategy)
+
+    checked = 0
+    for name, p in model.named_parameters():
+        row = expected[name]
+        if row["stage"] != 0:
+            continue
+        assert isinstance(p, DTensor), name
+        assert list(p.to_local().shape) == row["local_shape"], name
+        checked += 1
+    assert checked > 100
+    qb = expected["model.layers.3.self_attn.q_b_proj.weight"]
+    assert qb["local_shape"] == ([128 * 192 // 8, 1536] if overrides.get("qkv") != "row"
+                                 else [128 * 192, 1536 // 8])
+    assert expected["model.layers.3.self_attn.q_a_proj.weight"]["placements"] == ["R", "R"]
+    ex = expected["model.layers.3.mlp.experts.gate_up_proj"]
+    assert ex["local_shape"][0] == 256 // degrees["ep"]
+
+    adapter = adapter_for(model)
+    per_op = {"qkv": 2, "ffn1": 2, "shared_ffn1": 2}  # q_b|kv_b, gate|up: one repair each
+    for layer, kind in ((0, "dense_block"), (3, "moe_block")):
+        want = _expected_counts(graph, strategy, "8x32", kind, per_op)
+        got = _run_layer(model, adapter, layer, 16)
+        want_by_kind = Counter()
+        for (coll, _dim), n in want.items():
+            want_by_kind[coll] += n
+        assert got == want_by_kind, (kind, got, want)

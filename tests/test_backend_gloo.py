@@ -1,7 +1,8 @@
 """Numerics under gloo: sharded logits equal the unsharded model's within 1e-4 relative.
 
-One multi-process launch (4 ranks) runs every case of the three tiny models (process
-start-up is the cost): the Megatron plan and non-Megatron strategies per model, the emitted
+One multi-process launch (4 ranks) runs every case of the four tiny models (process
+start-up is the cost): the Megatron plan and non-Megatron strategies per model (DeepSeek-V3:
+MLA split by heads / batch / replicated, shared experts, EP), the emitted
 ``parallelize.py`` imported and run by the workers, and a deliberately corrupted shard that
 must be caught. The 8-rank launch is marked slow.
 """
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "examples" / "tiny_llama.py")
 MIXTRAL = str(ROOT / "examples" / "tiny_mixtral.py")
 GPT_MOE = str(ROOT / "examples" / "gpt_moe_1p6t.py")
+DEEPSEEK = str(ROOT / "examples" / "deepseek_v3.py")  # tiny_model(): 1 dense + 2 MoE layers
 TOL = 1e-4
 
 DENSE = {"embedding": "vocab", "dense_block.qkv": "col", "dense_block.attn_core": "heads",
@@ -75,6 +77,23 @@ def moe_cases(tag: str, code: str | None) -> list[Case]:
     return cases
 
 
+DS_MEGATRON = {**DENSE, **MOE, "moe_block.shared_ffn1": "col", "moe_block.shared_ffn2": "row"}
+DS_LAYERS = {D: [0], M: [1, 2]}
+
+
+def deepseek_cases(code: str | None) -> list[Case]:
+    other = _with(_with(DS_MEGATRON, D, qkv="row", attn_core="batch", out_proj="col",
+                        ffn1="row", ffn2="col"),
+                  M, qkv="rep", attn_core="batch", out_proj="col", shared_ffn1="rep",
+                  shared_ffn2="rep", router="col", expert_ffn2="col", embedding="hidden")
+    cases = [Case("deepseek megatron tp4", {"tp": 4}, DS_MEGATRON, DS_LAYERS),
+             Case("deepseek ep2 tp2: batch attention (row / rep MLA), shared rep, expert "
+                  "ffn2 hidden", {"ep": 2, "tp": 2}, other, DS_LAYERS)]
+    if code:
+        cases.append(Case("deepseek emitted parallelize.py", {}, {}, None, code=code))
+    return cases
+
+
 def emit_code(model_file: str, degrees: dict, choices: dict, out: Path) -> str:
     """plan (tiny graph) -> parallelize.py on disk, checked by ruff."""
     from shardc.backends.apply import strategy_from_names
@@ -101,14 +120,17 @@ def gloo_results(tmp_path_factory):
     mixtral_code = emit_code(MIXTRAL, {"tp": 2, "ep": 2}, MOE, tmp / "mixtral_parallelize.py")
     gpt_code = emit_code(GPT_MOE, {"tp": 2, "pp": 2}, _with(MOE, M, attn_core="batch", qkv="rep"),
                          tmp / "gpt_parallelize.py")
+    # DeepSeek's emitted code: EP over 4 with replicated MLA in the dense layer, sp off
+    ds_code = emit_code(DEEPSEEK, {"ep": 4}, _with(DS_MEGATRON, D, **REP_ATTN),
+                        tmp / "deepseek_parallelize.py")
     suites = [(LLAMA, llama_cases(llama_code)), (MIXTRAL, moe_cases("mixtral", mixtral_code)),
-              (GPT_MOE, moe_cases("gpt_moe", gpt_code))]
+              (GPT_MOE, moe_cases("gpt_moe", gpt_code)), (DEEPSEEK, deepseek_cases(ds_code))]
     results = run_suites(suites, world=4)
     return {r["name"]: r for r in results}
 
 
 ALL_NAMES = ([c.name for c in llama_cases("x")] + [c.name for c in moe_cases("mixtral", "x")]
-             + [c.name for c in moe_cases("gpt_moe", "x")])
+             + [c.name for c in moe_cases("gpt_moe", "x")] + [c.name for c in deepseek_cases("x")])
 
 
 @pytest.mark.parametrize("name", ALL_NAMES)

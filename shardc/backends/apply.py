@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardc.backends.attention import install_attention
+from shardc.backends.mla import shard_mla
 from shardc.backends.models import adapter_for, default_layer_kinds
 from shardc.backends.moe import shard_moe
 from shardc.backends.runtime import ShardingRuntime
@@ -115,14 +116,17 @@ class ModelSharder:
         rt, sites = self.rt, self.adapter.layer(layer)
         self._norms(sites)
         att = sites.attention
-        for mod, pre in att.qkv + [att.out]:
-            rt.place_module_params(mod, pre)
         steps = rt.walk("attention", layer)
         attn_need = steps[1][0]
         if rt.tp > 1 and attn_need == "S(1)":
             if att.heads % rt.tp or att.kv_heads % rt.tp:
                 raise ValueError(f"layer {layer}: tp={rt.tp} does not divide heads "
                                  f"{att.heads}/{att.kv_heads} for a heads split")
+        if att.mla:
+            shard_mla(rt, att, layer)
+            return
+        for mod, pre in att.qkv + [att.out]:
+            rt.place_module_params(mod, pre)
         rt.hook_chain([[m for m, _ in att.qkv], [], [att.out[0]]], steps, rt.residual,
                       unfuse=[att.fused, 1, 1])
         install_attention(att, self.adapter.family)

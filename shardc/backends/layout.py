@@ -3,7 +3,8 @@
 The strategy speaks in op terms (``shardc.ir.strategy``): choice 0 shards the op's weight
 "dim 0" (output features for a linear, vocab for the embedding), choice 1 its "dim 1"
 (input features / hidden), choice 2 replicates. How those map onto a real parameter tensor
-depends on how the model stores it: ``nn.Linear`` keeps ``[out, in]``, GPT-MoE's experts
+depends on how the model stores it (DeepSeek's MLA ``qkv`` shards only its up projections
+``q_b_proj`` / ``kv_b_proj``; the low-rank down projections stay replicated): ``nn.Linear`` keeps ``[out, in]``, GPT-MoE's experts
 keep ``[E, in, out]``, HF Mixtral's ``[E, out, in]``. :data:`PARAM_ROLES` is that table,
 keyed by parameter-name patterns; the runtime (:mod:`shardc.backends.runtime`) and
 ``plan.json`` (:func:`param_plan`) both read it, so the shapes the plan promises are the
@@ -44,6 +45,9 @@ PARAM_ROLES: list[tuple[re.Pattern, ParamRole]] = [
     (re.compile(p), r) for p, r in [
         (r"(^|\.)(embed_tokens|embed|wte)\.weight$", ParamRole("embedding", (0, 1))),
         (r"self_attn\.[qkv]_proj\.(weight|bias)$", ParamRole("qkv", (0, 1))),
+        # MLA: the up projections carry the heads; the low-rank down projections
+        # (q_a_proj, kv_a_proj_with_mqa) and their norms stay replicated (no role)
+        (r"self_attn\.(q_b_proj|kv_b_proj)\.weight$", ParamRole("qkv", (0, 1))),
         (r"attn\.qkv\.weight$", ParamRole("qkv", (0, 1), fused=3)),
         (r"self_attn\.o_proj\.weight$", ParamRole("out_proj", (0, 1))),
         (r"attn\.out\.weight$", ParamRole("out_proj", (0, 1))),

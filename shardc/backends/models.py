@@ -3,8 +3,10 @@
 An adapter answers "which modules run op X of layer i" for one family: HF decoder-only
 causal LMs in the Llama mould (``model.model.layers[i].self_attn.{q,k,v,o}_proj``, dense
 ``mlp.{gate,up,down}_proj`` or a sparse MoE block ``mlp.gate`` + ``mlp.experts`` with 3-D
-expert weights: Llama, Mistral, Mixtral, Qwen2/3(-MoE)) and shardc's plain GPT-MoE
-(``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
+expert weights: Llama, Mistral, Mixtral, Qwen2/3(-MoE)), DeepSeek-V3 (MLA attention
+``q_a_proj -> q_a_layernorm -> q_b_proj`` / ``kv_a_proj_with_mqa -> kv_a_layernorm ->
+kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``) and shardc's plain
+GPT-MoE (``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
 with a clear message rather than silently left unsharded.
 """
 
@@ -27,6 +29,15 @@ class AttentionSite:
     fused: int  # 3 when q|k|v is one packed linear
     heads: int
     kv_heads: int
+    # MLA (DeepSeek): ``qkv`` holds the up projections (q_b_proj, kv_b_proj), ``down`` the
+    # low-rank down projections (q_a_proj, kv_a_proj_with_mqa) and ``down_norms`` their
+    # RMSNorms; all three lists are part of the fused ``qkv`` op.
+    down: list[tuple[nn.Module, str]] = field(default_factory=list)
+    down_norms: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def mla(self) -> bool:
+        return bool(self.down)
 
 
 @dataclass
@@ -42,6 +53,9 @@ class MoESite:
     act: object
     top_k: int
     num_experts: int
+    # shared experts (DeepSeek): ([gate_proj, up_proj], down_proj, module) -- fused ops
+    # shared_ffn1 / shared_ffn2, run on the same (normed) residual as the router
+    shared: tuple | None = None
 
 
 @dataclass
@@ -72,7 +86,8 @@ class HFCausalLM:
         return (hasattr(model, "lm_head") and inner is not None and hasattr(inner, "layers")
                 and hasattr(inner, "embed_tokens")
                 and hasattr(inner.layers[0], "self_attn")
-                and hasattr(inner.layers[0].self_attn, "q_proj"))
+                and (hasattr(inner.layers[0].self_attn, "q_proj")
+                     or hasattr(inner.layers[0].self_attn, "kv_b_proj")))
 
     @property
     def embedding(self):
@@ -94,22 +109,29 @@ class HFCausalLM:
         lay, pre = self.inner.layers[i], f"model.layers.{i}"
         a = lay.self_attn
         cfg = self.config
-        att = AttentionSite(a, [(getattr(a, n), f"{pre}.self_attn.{n}")
-                                for n in ("q_proj", "k_proj", "v_proj")],
-                            (a.o_proj, f"{pre}.self_attn.o_proj"), 1,
-                            cfg.num_attention_heads, cfg.num_key_value_heads)
+        if hasattr(a, "kv_b_proj"):
+            att = _mla_site(a, f"{pre}.self_attn", cfg)
+        else:
+            att = AttentionSite(a, [(getattr(a, n), f"{pre}.self_attn.{n}")
+                                    for n in ("q_proj", "k_proj", "v_proj")],
+                                (a.o_proj, f"{pre}.self_attn.o_proj"), 1,
+                                cfg.num_attention_heads, cfg.num_key_value_heads)
         norms = [(lay.input_layernorm, f"{pre}.input_layernorm"),
                  (lay.post_attention_layernorm, f"{pre}.post_attention_layernorm")]
         sites = LayerSites(i, lay, pre, att, norms)
         mlp = lay.mlp
         if hasattr(mlp, "experts"):
-            if getattr(mlp, "shared_experts", None) is not None:
-                raise InputError(f"{pre}.mlp: shared experts are not supported by the DTensor backend yet")
             ex = mlp.experts
+            shared = None
+            sh = getattr(mlp, "shared_experts", None)
+            if sh is not None:
+                sp = f"{pre}.mlp.shared_experts"
+                shared = ([(sh.gate_proj, f"{sp}.gate_proj"), (sh.up_proj, f"{sp}.up_proj")],
+                          (sh.down_proj, f"{sp}.down_proj"), sh)
             sites.moe = MoESite(mlp, f"{pre}.mlp", (mlp.gate, f"{pre}.mlp.gate"), ex,
                                 "gate_up_proj", "down_proj", True, True, ex.act_fn,
                                 int(getattr(mlp, "top_k", cfg.num_experts_per_tok)),
-                                int(ex.num_experts))
+                                int(ex.num_experts), shared)
         else:
             sites.mlp = ([(mlp.gate_proj, f"{pre}.mlp.gate_proj"),
                           (mlp.up_proj, f"{pre}.mlp.up_proj")],
@@ -118,6 +140,20 @@ class HFCausalLM:
 
     def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
         return _HFStage(self, layers, first, last)
+
+
+def _mla_site(a: nn.Module, pre: str, cfg) -> AttentionSite:
+    """DeepSeek's multi-head latent attention as one fused ``qkv`` op (see AttentionSite)."""
+    if getattr(a, "q_a_proj", None) is None:
+        raise InputError(f"{pre}: MLA without a q low-rank projection (q_lora_rank None) is "
+                         "not supported by the DTensor backend")
+    return AttentionSite(a, [(a.q_b_proj, f"{pre}.q_b_proj"), (a.kv_b_proj, f"{pre}.kv_b_proj")],
+                         (a.o_proj, f"{pre}.o_proj"), 1, cfg.num_attention_heads,
+                         cfg.num_attention_heads,
+                         down=[(a.q_a_proj, f"{pre}.q_a_proj"),
+                               (a.kv_a_proj_with_mqa, f"{pre}.kv_a_proj_with_mqa")],
+                         down_norms=[(a.q_a_layernorm, f"{pre}.q_a_layernorm"),
+                                     (a.kv_a_layernorm, f"{pre}.kv_a_layernorm")])
 
 
 class _HFStage(nn.Module):
@@ -210,7 +246,8 @@ def adapter_for(model: nn.Module):
         if cls.accepts(model):
             return cls(model)
     raise InputError(f"the DTensor backend does not know the layout of {type(model).__name__} "
-                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, shardc GPT-MoE)")
+                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, DeepSeek-V3 "
+                     "MLA + shared experts, shardc GPT-MoE)")
 
 
 def default_layer_kinds(model: nn.Module) -> dict[int, str]:
