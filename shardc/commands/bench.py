@@ -2,7 +2,8 @@
 
 Cases are data (``shardc/search/suites.toml``). For each case: the graph (traced once, then
 cached as JSON under ``$SHARDC_CACHE`` or ``~/.cache/shardc/graphs``, keyed by a hash of the
-model file, its sibling ``.py`` files and the frontend/pass sources), the cost model, then
+model file, its sibling ``.py`` files and the shardc version: delete the cache after changing
+the frontend), the cost model, then
 ``rl``, ``sa``, ``rw``, ``ga`` over ``--seeds`` seeds at ``--budget`` evaluations, and the
 ``megatron`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
 ``benchmarks/<suite>.json``: ``{"rows": [{case, policy, seeds, mean, best, evaluations,
@@ -38,6 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated subset")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    p.add_argument("--exact-limit", type=float, default=600.0,
+                   help="seconds before an exact sweep stops (reported as not finished)")
 
 
 # ------------------------------------------------------------------------------ suites
@@ -64,10 +67,7 @@ def _cache_key(path: Path) -> str:
     import shardc
 
     h = hashlib.sha256(shardc.__version__.encode())
-    files = sorted(path.parent.glob("*.py"))
-    pkg = Path(shardc.__file__).resolve().parent
-    files += sorted((pkg / "frontends").glob("*.py")) + sorted((pkg / "passes").glob("*.py"))
-    for f in files:
+    for f in sorted(path.parent.glob("*.py")):
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
@@ -93,7 +93,8 @@ def cached_graph(model: str):
 
 
 # ------------------------------------------------------------------------------ running
-def run_case(case: dict, policies: list[str], budget: int, seeds: int) -> dict:
+def run_case(case: dict, policies: list[str], budget: int, seeds: int,
+             exact_limit: float = 600.0) -> dict:
     """All policies on one case -> {"rows": [...], "curves": {policy: seed-0 curve}}."""
     import numpy as np
 
@@ -112,7 +113,9 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int) -> dict:
     rows, curves = [], {}
     for pol in policies:
         n = seeds if pol in SEEDED else 1
-        results = [run_search(pol, space, objective, budget=budget, seed=s) for s in range(n)]
+        opts = {"time_limit_s": exact_limit} if pol == "exact" else {}
+        results = [run_search(pol, space, objective, budget=budget, seed=s, **opts)
+                   for s in range(n)]
         vals = np.array([r.best_value for r in results])
         row = {"case": case["name"], "policy": pol, "seeds": n, "mean": float(vals.mean()),
                "best": float(vals.max()),
@@ -135,7 +138,8 @@ def _describe(space, action) -> str:
     return f"tp={d.tp} ep={d.ep} pp={d.pp} dp={d.dp} sp={d.sp} batch={s.batch} [{ops}]"
 
 
-def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None) -> list[dict]:
+def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None,
+             exact_limit: float = 600.0) -> list[dict]:
     for model in dict.fromkeys(c["model"] for c in cases):  # trace once, in this process
         cached_graph(model)
     if ray_address:
@@ -145,18 +149,18 @@ def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None)
             raise InputError("--ray needs Ray: pip install 'shardc[ray]'") from None
         ray.init(address=ray_address, ignore_reinit_error=True)
         remote = ray.remote(run_case)
-        return ray.get([remote.remote(c, policies, budget, seeds) for c in cases])
+        return ray.get([remote.remote(c, policies, budget, seeds, exact_limit) for c in cases])
     if jobs <= 1:
         out = []
         for c in cases:
             t0 = time.perf_counter()
-            out.append(run_case(c, policies, budget, seeds))
+            out.append(run_case(c, policies, budget, seeds, exact_limit))
             print(f"  {c['name']}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         return out
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futs = [pool.submit(run_case, c, policies, budget, seeds) for c in cases]
+        futs = [pool.submit(run_case, c, policies, budget, seeds, exact_limit) for c in cases]
         return [f.result() for f in futs]
 
 
@@ -177,7 +181,7 @@ def run(args) -> int:
     seeds = args.seeds or int(cases[0]["seeds"])
     if budget < 1 or seeds < 1 or args.jobs < 1:
         raise InputError("--budget, --seeds and --jobs must be positive")
-    results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray)
+    results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray, args.exact_limit)
     rows = [r for res in results for r in res["rows"]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

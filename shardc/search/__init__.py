@@ -74,7 +74,10 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
                 and hasattr(cm, "_simulate") and options.pop("decompose", True):
             from shardc.search.exact_decomposed import search_exact_decomposed
 
-            search_exact_decomposed(cm, sampler, meter)
+            try:
+                search_exact_decomposed(cm, sampler, meter, **options)
+            except exact.ExactIncomplete:
+                complete = False
         else:
             try:
                 exact.search_exact(sampler, meter, rng, **options)

@@ -137,9 +137,16 @@ def candidates_for(d: int, deg_row: np.ndarray, terms: list[dict], space) -> np.
 
 
 def search_exact_decomposed(cm, sampler: LegalSampler, budget: Budget,
-                            chunk: int = 65536) -> int:
+                            chunk: int = 65536, time_limit_s: float | None = None) -> int:
     """Evaluate every Pareto candidate of every degree row through ``budget``; returns the
-    number of candidates (the full legal space size is ``sampler.count_legal()``)."""
+    number of candidates (the full legal space size is ``sampler.count_legal()``).
+    Raises :class:`~shardc.search.exact.ExactIncomplete` after ``time_limit_s``."""
+    import time
+
+    from shardc.search.exact import EXACT_TIME_LIMIT_S, ExactIncomplete
+
+    limit = EXACT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    t0 = time.perf_counter()
     space = sampler.space
     deg_rows = _degree_rows(sampler)
     terms = term_tables(cm, space, deg_rows)
@@ -153,6 +160,9 @@ def search_exact_decomposed(cm, sampler: LegalSampler, budget: Budget,
         if n_pending >= chunk:
             budget(np.concatenate(pending))
             pending, n_pending = [], 0
+        if time.perf_counter() - t0 > limit:
+            raise ExactIncomplete(f"decomposed exact stopped after {limit:.0f} s "
+                                  f"({d} of {len(deg_rows)} degree rows)")
     if pending:
         budget(np.concatenate(pending))
     return total
