@@ -40,7 +40,7 @@ def table1(rows: list[dict]) -> str:
                      _ratio(g["megatron"], rw), _ratio(exv, rw), _ratio(g["rl"], g["sa"]),
                      _ratio(g["rl"], rw),
                      f"{100 * g['rl'] / exv:.2f}%" if exv and g["rl"] is not None else "-"])
-    return tabulate(body, head, tablefmt="github")
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
 
 
 def figure3(rows: list[dict]) -> str:
@@ -54,7 +54,7 @@ def figure3(rows: list[dict]) -> str:
         body.append([case, f"{mg:.2f}" if mg else "-",
                      *(_ratio(p.get(k, {}).get("best"), mg) for k in SEARCHERS),
                      _ratio(p.get("rl", {}).get("mean"), mg), _ratio(exv, mg)])
-    return tabulate(body, head, tablefmt="github")
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
 
 
 def absolute(rows: list[dict]) -> str:
@@ -63,7 +63,7 @@ def absolute(rows: list[dict]) -> str:
     body = [[r["case"], r["policy"], r["seeds"], f"{r['mean']:.2f}", f"{r['best']:.2f}",
              r["evaluations"], f"{r['wall_s']:.2f}"
              + ("" if r.get("complete", True) else " (stopped)")] for r in rows]
-    return tabulate(body, head, tablefmt="github")
+    return tabulate(body, head, tablefmt="github", disable_numparse=True)
 
 
 def markdown(suite: str, rows: list[dict], command: str, notes: str = "") -> str:
