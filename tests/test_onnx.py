@@ -65,6 +65,12 @@ def test_parity_params_flops_layer_kinds(exported):
     # layer kinds with their fused ops, global ops and recovered config
     assert _kinds(og) == _kinds(tg)
     assert og.num_layers == 2
+    if name == "tiny_mixtral":  # batched_mm experts: expert ops (not a router with all weights)
+        for g in (tg, og):
+            moe = g.layer_kind("moe_block")
+            assert [o.name for o in moe.ops][-3:] == ["router", "expert_ffn1", "expert_ffn2"]
+            assert moe.op("router").params == 4 * 64
+            assert moe.op("expert_ffn1").attrs == {"num_experts": 4, "top_k": 2, "gated": True}
     assert [(o.name, o.params) for o in og.global_ops] == [(o.name, o.params) for o in tg.global_ops]
     assert og.config == tg.config
     assert og.tokens == tg.tokens

@@ -14,7 +14,10 @@ Per decoder layer (nodes with the same ``Node.layer``):
   another linear, plus the parametric nodes on that path (e.g. a score-correction bias) and
   the top-k nodes;
 * ``expert_ffn1`` / ``expert_ffn2``: ``grouped_matmul`` nodes whose output does / does not
-  reach another grouped matmul;
+  reach another grouped matmul. *Batched* experts (a ``matmul`` against an ``[E, a, b]``
+  parameter gathered per routed token, e.g. transformers' ``batched_mm`` experts or an ONNX
+  ``Gather``/``GatherND`` + ``MatMul``) are first rewritten into this grouped form by
+  :func:`recognise_batched_experts`;
 * remaining linears: ``ffn1`` / ``ffn2`` in a layer without experts, ``shared_ffn1`` /
   ``shared_ffn2`` in a layer with experts; ``*1`` if the output reaches another remaining
   linear, else ``*2``;
@@ -28,8 +31,63 @@ from __future__ import annotations
 from collections import defaultdict
 
 from shardc.ir.graph import Graph, Node
+from shardc.passes.canonicalise import node_bytes
 
 _MATMULS = ("linear", "grouped_matmul")
+
+
+def _expert_gather(node: Node, by_name: dict[str, Node]) -> Node | None:
+    """The ``gather_scatter`` node behind ``node`` (through single-input views) that picks
+    rows of one ``[E, a, b]`` parameter per routed token (output ``[S, a, b]``), else None."""
+    cur = node
+    while cur is not None and cur.op == "view" and len(cur.inputs) == 1:
+        cur = by_name.get(cur.inputs[0])
+    if cur is None or cur.op != "gather_scatter" or len(cur.params) != 1:
+        return None
+    shape = list(cur.params[0].shape)
+    out = list(cur.output_shape)
+    if len(shape) < 3 or len(out) != len(shape) or out[1:] != shape[1:]:
+        return None
+    return cur
+
+
+def recognise_batched_experts(graph: Graph) -> int:
+    """Rewrite batched expert matmuls into the canonical grouped form (in place).
+
+    A parameter-free ``matmul`` with two operands ``A [S, m, k] @ B [S, k, n]`` one of which
+    is a per-token gather of an ``[E, a, b]`` parameter ``W`` (:func:`_expert_gather`) is an
+    expert matmul over the ``S = tokens x top_k`` routed rows: its kind becomes
+    ``grouped_matmul`` and it carries ``W`` (the gather no longer does, as in the grouped
+    form, where the weight is read by the expert matmul itself). Its FLOPs stay
+    ``2 * S * out * k`` -- only the active experts' rows. ``attrs['expert_features'] =
+    [in, out]`` records the features (``[k, m]`` if ``W`` is the left operand, ``[k, n]`` if
+    the right) since the node's shapes are 3-D; ``attrs['expert_gather']`` names the gather.
+    Bytes are recomputed by the grouped-matmul formula. Reads canonical fields only.
+    Returns the number of rewritten nodes."""
+    by_name = {n.name: n for n in graph.nodes}
+    rewritten, moved = 0, []
+    for n in graph.nodes:
+        if n.op != "matmul" or n.params or len(n.inputs) != 2 or len(n.input_shapes) != 2:
+            continue
+        a, b = n.input_shapes
+        if len(a) < 3 or len(b) < 3:
+            continue
+        for side, name in enumerate(n.inputs):
+            gather = _expert_gather(by_name[name], by_name) if name in by_name else None
+            if gather is None:
+                continue
+            n.op = "grouped_matmul"
+            n.params = list(gather.params)
+            n.attrs["expert_features"] = [int(a[-1]), int(a[-2])] if side == 0 else \
+                [int(b[-2]), int(b[-1])]
+            n.attrs["expert_gather"] = gather.name
+            n.bytes = node_bytes(n)
+            moved.append(gather)
+            rewritten += 1
+            break
+    for gather in moved:
+        gather.params = []
+    return rewritten
 
 
 class _Flow:
@@ -135,7 +193,9 @@ def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
 
 
 def group_fused_ops(graph: Graph) -> Graph:
-    """Set ``Node.fused_op`` on every node that belongs to a fused op (in place)."""
+    """Set ``Node.fused_op`` on every node that belongs to a fused op (in place), after
+    rewriting batched expert matmuls into the grouped form (:func:`recognise_batched_experts`)."""
+    recognise_batched_experts(graph)
     flow = _Flow(graph)
     by_layer: dict[int, list[Node]] = defaultdict(list)
     for n in graph.nodes:

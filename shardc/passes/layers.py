@@ -44,10 +44,14 @@ def _weight_total(nodes: list[Node]) -> int:
 
 
 def _in(n: Node) -> int:
+    if "expert_features" in n.attrs:  # batched expert matmul (3-D shapes): see passes.fused
+        return int(n.attrs["expert_features"][0])
     return int(n.input_shapes[0][-1]) if n.input_shapes and n.input_shapes[0] else 0
 
 
 def _out(n: Node) -> int:
+    if "expert_features" in n.attrs:
+        return int(n.attrs["expert_features"][1])
     return int(n.output_shape[-1]) if n.output_shape else 0
 
 
