@@ -58,7 +58,9 @@ def parallelize(model, world_mesh=None):
 '''
 
 
-def _walk_comment(ops, choices, start, end) -> str:
+def _walk_comment(ops, choices, start, end, tp: int = 2) -> str:
+    if tp == 1:
+        return "tp=1: no tp collective"
     walk = branch_collectives(tuple(ops), list(choices), start, end)
     if not walk:
         return "no collective"
@@ -94,7 +96,7 @@ def emit_parallelize(plan) -> str:
     if "embedding" in st.choices:
         c = st.choices["embedding"]
         body += [f"    # embedding: {choice_name('embedding', c)} "
-                 f"({_walk_comment(['embedding'], [c], 'R', res)})",
+                 f"({_walk_comment(['embedding'], [c], 'R', res, deg.tp)})",
                  "    sharder.embedding()", ""]
     for kind, layers in kinds.items():
         body.append(f"    # {kind} x {len(layers)} (residual stream {res} on tp)")
@@ -105,7 +107,7 @@ def emit_parallelize(plan) -> str:
                 continue
             cs = [st.choices[s] for s in slots]
             desc = " -> ".join(f"{o} {choice_name(o, c)}" for o, c in zip(ops, cs))
-            body.append(f"    #   {branch}: {desc} ({_walk_comment(ops, cs, res, res)})")
+            body.append(f"    #   {branch}: {desc} ({_walk_comment(ops, cs, res, res, deg.tp)})")
             if branch == "experts" and deg.ep > 1:
                 body.append(f"    #   experts: dispatch + combine all_to_all over ep={deg.ep}")
             calls.append("attention" if branch == "attention" else "mlp")
@@ -116,7 +118,7 @@ def emit_parallelize(plan) -> str:
     if "lm_head" in st.choices:
         c = st.choices["lm_head"]
         body += [f"    # lm_head: {choice_name('lm_head', c)} "
-                 f"({_walk_comment(['lm_head'], [c], res, 'R')})",
+                 f"({_walk_comment(['lm_head'], [c], res, 'R', deg.tp)})",
                  "    sharder.lm_head()", ""]
     body.append("    return sharder.finish()")
     return out[0] + "\n".join(body) + "\n"

@@ -8,11 +8,16 @@ strategy's choices on the tp dim through :meth:`ShardingRuntime.redist`, exactly
 ops; over the ep dim the stacked expert weights are ``Shard(0)`` and tokens travel with one
 ``all_to_all`` to the experts' owners (dispatch) and one back (combine).
 
-Dispatch uses a fixed capacity of every local token per expert (a token's row is zero for an
-expert that did not select it), so no shape depends on the routing: nothing is dropped, the
-result is exact, meta-device models trace, and each MoE layer issues exactly two ep
-all-to-alls. A production kernel would send only the routed rows; the collective count and
-placements are the same.
+Dispatch sends only the routed (token, expert) pairs, packed into per-expert slots of a
+common capacity ``C``: the send buffer is ``[E, C, hidden]`` and slot ``(e, i)`` holds the
+i-th local token that chose expert e (zeros past the expert's count). ``C`` is the largest
+per-expert count over the ranks that exchange or share the buffer (one scalar ``all_reduce``
+MAX per SPMD mesh dim, latency only, not charged by the cost model), so nothing is dropped and
+the result is exact. On the ``meta`` device (full-size models on the fake process group)
+routing has no values and ``C = ceil(tokens * top_k / E)``, the balanced load: the buffers
+then carry exactly the ``tokens * top_k * hidden`` elements per rank the cost model charges
+for each of the two ep all-to-alls. With real routing the bytes are ``E * C * hidden``
+(>= the charged volume; the excess is the load imbalance of the batch).
 """
 
 from __future__ import annotations
@@ -52,21 +57,21 @@ def shard_moe(rt: ShardingRuntime, site: MoESite, layer: int) -> None:
         need, _, after = router_steps[0]
         logits = F.linear(rt.redist(rt.wrap(flat, rt.residual), need), site.router[0].weight)
         logits = rt.local(rt.redist(logits, after))
-        gates = route(site, logits)  # [T, E] combine weight of each expert per token
-        # dispatch: row t of expert e's slot holds token t if it chose e, else zeros
-        send = flat.unsqueeze(0) * (gates.t() > 0).unsqueeze(-1).to(flat.dtype)  # [E, T, h]
+        top_w, top_i = route(site, logits)  # [T, top_k] weights and experts per token
+        send, slot = _pack(rt, flat, top_i, site.num_experts)  # [E, C, h], [T * top_k]
         if ep > 1:
-            recv = _all_to_all(send, ep_group)  # [ep_src * E_local, T, h]
+            recv = _all_to_all(send, ep_group)  # [ep_src * E_local, C, h]
             e_loc = site.num_experts // ep
             buf = recv.view(ep, e_loc, -1, h).transpose(0, 1).reshape(e_loc, -1, h)
         else:
             buf = send
-        out = _experts(rt, site, buf, expert_steps)  # [E_local, N, h]
+        out = _experts(rt, site, buf, expert_steps)  # [E_local, ep_src * C, h]
         if ep > 1:
             e_loc = out.shape[0]
             back = out.view(e_loc, ep, -1, h).transpose(0, 1).reshape(ep * e_loc, -1, h)
-            out = _all_to_all(back, ep_group)  # [E, T, h] in expert order
-        y = (out * gates.t().unsqueeze(-1).to(out.dtype)).sum(dim=0)
+            out = _all_to_all(back, ep_group)  # [E, C, h] in expert order
+        pairs = out.reshape(-1, h)[slot].view(b * s, site.top_k, h)
+        y = (pairs * top_w.unsqueeze(-1).to(pairs.dtype)).sum(dim=1)
         y = y.to(x.dtype).view(b, s, h)
         if site.shared is not None:
             y = y + site.shared[2](x)
@@ -75,8 +80,30 @@ def shard_moe(rt: ShardingRuntime, site: MoESite, layer: int) -> None:
     site.block.forward = forward
 
 
-def route(site: MoESite, logits: torch.Tensor) -> torch.Tensor:
-    """Dense combine weights [T, E] from router logits [T, E] (zero where not routed), the
+def _pack(rt: ShardingRuntime, flat: torch.Tensor, top_i: torch.Tensor, num_experts: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed rows of ``flat`` [T, h] into a send buffer [E, C, h]; returns it and each
+    (token, k) pair's flat slot ``e * C + i`` [T * top_k] (to gather the combined rows)."""
+    t, k = top_i.shape
+    onehot = F.one_hot(top_i.reshape(-1), num_experts)  # [T * k, E]
+    pos = ((onehot.cumsum(dim=0) - 1) * onehot).sum(dim=-1)  # rank of the pair in its expert
+    if flat.device.type == "meta":
+        cap = max(1, -(-t * k // num_experts))
+    else:
+        cap = onehot.sum(dim=0).max().reshape(1)
+        if rt.mesh is not None:
+            for d in rt.dims:  # every rank exchanging or sharing the buffer agrees on C
+                torch.distributed.all_reduce(cap, torch.distributed.ReduceOp.MAX,
+                                             group=rt.mesh.get_group(d))
+        cap = max(1, int(cap.item()))
+    slot = top_i.reshape(-1) * cap + pos
+    send = flat.new_zeros(num_experts * cap, flat.shape[1])
+    send = send.index_copy(0, slot, flat.repeat_interleave(k, dim=0))
+    return send.view(num_experts, cap, -1), slot
+
+
+def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, top-k experts), each [T, top_k], from router logits [T, E]: the
     maths of the model's own router: softmax top-k (renormalised unless the router says
     ``norm_topk_prob=False``: Mixtral, Qwen-MoE, GPT-MoE) or DeepSeek-V3's sigmoid scores
     with the score-correction bias, group-limited top-k and the routed scaling factor."""
@@ -100,7 +127,7 @@ def route(site: MoESite, logits: torch.Tensor) -> torch.Tensor:
         top_w, top_i = torch.topk(probs, site.top_k, dim=-1)
         if getattr(r, "norm_topk_prob", True):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(logits).scatter(1, top_i, top_w)
+    return top_w, top_i
 
 
 def _experts(rt: ShardingRuntime, site: MoESite, buf: torch.Tensor, steps) -> torch.Tensor:
