@@ -8,6 +8,7 @@ frontend when it is available (see tests/test_cost_validation.py).
 from __future__ import annotations
 
 from shardc.ir.graph import FusedOp, Graph, LayerKind
+from shardc.passes.layers import attention_flops_per_context, mla_absorbed_flops_per_context
 
 
 def _lin(name, fin, fout, count=1, **attrs):
@@ -29,14 +30,16 @@ def _attention(c) -> list[FusedOp]:
         core = FusedOp("attn_core", out_f, H * vhd, attrs=dict(
             heads=H, kv_heads=H, head_dim=nope + rope, v_head_dim=vhd,
             kv_cache_elems_per_token=kl + rope, kv_cache_split_by_heads=False,
-            flops_per_token_per_context=2 * H * (kl + rope) + 2 * H * kl))
+            flops_per_token_per_context=attention_flops_per_context(H, nope + rope, vhd),
+            decode_flops_per_token_per_context=mla_absorbed_flops_per_context(H, kl, rope)))
     else:
         out_f = (H + 2 * KV) * hd
         qkv = _lin("qkv", h, out_f)
         core = FusedOp("attn_core", out_f, H * vhd, attrs=dict(
             heads=H, kv_heads=KV, head_dim=hd, v_head_dim=vhd,
             kv_cache_elems_per_token=2 * KV * hd, kv_cache_split_by_heads=True,
-            flops_per_token_per_context=2 * H * (hd + vhd)))
+            flops_per_token_per_context=attention_flops_per_context(H, hd, vhd),
+            decode_flops_per_token_per_context=attention_flops_per_context(H, hd, vhd)))
     return [qkv, core, _lin("out_proj", H * vhd, h)]
 
 

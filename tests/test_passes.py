@@ -98,7 +98,8 @@ def test_fused_ops_llama():
     assert (qkv.in_features, qkv.out_features, qkv.params) == (64, 64 + 32 + 32, 64 * 128)
     assert core.attrs == {"heads": 8, "kv_heads": 4, "head_dim": 8, "v_head_dim": 8,
                           "kv_cache_elems_per_token": 64, "kv_cache_split_by_heads": True,
-                          "flops_per_token_per_context": 2 * 8 * 16}
+                          "flops_per_token_per_context": 2 * 8 * 16,
+                          "decode_flops_per_token_per_context": 2 * 8 * 16}
     assert (out.in_features, out.out_features) == (64, 64)
     assert (f1.out_features, f1.attrs["gated"], f2.in_features) == (256, True, 128)
     assert f1.flops_per_token == 2 * f1.params
@@ -114,6 +115,9 @@ def test_fused_ops_mla_moe_shared():
     assert core.attrs["kv_cache_elems_per_token"] == 16 + 8  # kv_lora + rope
     assert core.attrs["kv_cache_split_by_heads"] is False
     assert core.attrs["head_dim"] == 16 and core.attrs["v_head_dim"] == 8
+    # traced (non-absorbed) form vs the absorbed-MLA decode form over the latent cache
+    assert core.attrs["flops_per_token_per_context"] == 2 * 8 * (16 + 8)
+    assert core.attrs["decode_flops_per_token_per_context"] == 2 * 8 * ((16 + 8) + 16)
     e1, e2 = moe.op("expert_ffn1"), moe.op("expert_ffn2")
     assert (e1.in_features, e1.out_features, e1.params) == (64, 64, 8 * 64 * 64)
     assert e1.attrs == {"num_experts": 8, "top_k": 2, "gated": True}
@@ -146,7 +150,7 @@ def test_passes_do_not_read_targets():
 def test_decode_flops_match_two_active_params_plus_attention(name):
     g = tiny_graph(name)
     ctx = 4096
-    attn = sum(k.count * k.op("attn_core").attrs["flops_per_token_per_context"]
+    attn = sum(k.count * k.op("attn_core").attrs["decode_flops_per_token_per_context"]
                for k in g.layer_kinds)
     want = 2 * active_params(g) + ctx * attn
     assert abs(decode_flops_per_token(g, ctx) - want) / want < 0.02
@@ -159,13 +163,15 @@ def test_full_size_layer_grouping_and_flops(name, kinds):
     g = full_graph(name)
     assert [(k.name, k.count) for k in g.layer_kinds] == kinds
     for ctx in (16, 4096):
-        attn = sum(k.count * k.op("attn_core").attrs["flops_per_token_per_context"]
+        attn = sum(k.count * k.op("attn_core").attrs["decode_flops_per_token_per_context"]
                    for k in g.layer_kinds)
         want = 2 * active_params(g) + ctx * attn
         assert abs(decode_flops_per_token(g, ctx) - want) / want < 0.02
-    # node-level FLOPs of the traced 16-token forward agree with the same formula at context 16
+    # node-level FLOPs of the traced 16-token forward agree with the traced attention form
+    traced = sum(k.count * k.op("attn_core").attrs["flops_per_token_per_context"]
+                 for k in g.layer_kinds)
     per_token = sum(n.flops for n in g.nodes) / g.tokens
-    want16 = 2 * active_params(g) + 16 * attn
+    want16 = 2 * active_params(g) + 16 * traced
     assert abs(per_token - want16) / want16 < 0.02
 
 

@@ -136,13 +136,17 @@ def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch) -> OpCost:
 
 def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
-    """Attention core: decode reads the KV cache; prefill is causal flash attention."""
+    """Attention core: decode reads the KV cache at ``decode_flops_per_token_per_context``
+    FLOPs per cached position (absorbed MLA for DeepSeek); prefill is causal flash attention
+    at ``flops_per_token_per_context`` (the traced, non-absorbed form)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
     heads = int(a.get("heads", 1) or 1)
     kv_heads = int(a.get("kv_heads", heads) or heads)
     hd, vhd = int(a.get("head_dim", 0)), int(a.get("v_head_dim", a.get("head_dim", 0)))
     per_ctx = float(a.get("flops_per_token_per_context") or 2 * heads * (hd + vhd))
+    # decode runs the form decode kernels use (absorbed MLA over the latent cache)
+    decode_per_ctx = float(a.get("decode_flops_per_token_per_context") or per_ctx)
     kv_elems = float(a.get("kv_cache_elems_per_token", 2 * kv_heads * hd))
     split_heads = bool(a.get("kv_cache_split_by_heads", True))
     # fraction of each sequence's KV cache held (and read) per GPU, by mode
@@ -151,7 +155,7 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     out_width = op_out_width(fop)
     act = b.tokens * (in_width / d_in + out_width / d_out) * b.act_bytes
     if b.phase == "decode":
-        flops = b.seqs * b.context * per_ctx / d_flop
+        flops = b.seqs * b.context * decode_per_ctx / d_flop
         traffic = b.seqs * b.context * kv_elems * b.kv_bytes * kv_frac + act
     else:
         flops = b.seqs * b.prompt * (b.prompt + 1) / 2 * per_ctx / d_flop

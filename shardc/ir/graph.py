@@ -120,7 +120,10 @@ class FusedOp:
     ``head_dim``, ``v_head_dim``, ``kv_cache_elems_per_token`` (per layer, K+V),
     ``kv_cache_split_by_heads`` (False for MLA's shared latent cache) and
     ``flops_per_token_per_context`` = ``2 * heads * (head_dim + v_head_dim)`` (QK^T and PV per
-    cached position; ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
+    cached position, the attention the traced model computes; prefill),
+    ``decode_flops_per_token_per_context`` (FLOPs per cached position of one decode step: the
+    absorbed-MLA form ``2 * heads * (2 * kv_lora + rope)`` over the latent cache for MLA, else
+    equal to the former); ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
     ``out_features`` = heads * v_head_dim); for expert ops ``num_experts``, ``top_k``,
     ``gated``; for ffn1-like ops ``gated`` (SwiGLU); for shared-expert ops ``num_shared``.
     ``qkv`` of MLA: ``out_features`` = q and kv up-projection outputs; the low-rank down

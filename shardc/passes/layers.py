@@ -8,14 +8,23 @@ or ``dense_block`` (``_2``, ``_3`` ... if several kinds share a base name), orde
 layer. FusedOp conventions (per layer, one token): see :class:`shardc.ir.graph.FusedOp`;
 ``nodes`` lists the node names of the kind's first layer.
 
+Attention FLOPs per position (``attn_core`` attrs): ``flops_per_token_per_context`` is the
+attention the traced model computes, ``2 * heads * (head_dim + v_head_dim)`` (for MLA the
+non-absorbed form over up-projected K/V, as in prefill); ``decode_flops_per_token_per_context``
+is what a decode step costs per cached position: the same for standard attention, the
+absorbed-MLA form ``2 * heads * (2 * kv_lora + rope)`` over the latent cache for MLA
+(:func:`mla_absorbed_flops_per_context`). The cost model uses the first for prefill and the
+second for decode.
+
 Decode FLOPs per token (:func:`decode_flops_per_token`) at context ``C``::
 
-    sum_kinds count * (sum_ops flops_per_token + C * attn_core.flops_per_token_per_context)
+    sum_kinds count * (sum_ops flops_per_token
+                       + C * attn_core.decode_flops_per_token_per_context)
     + sum_global_ops flops_per_token
 
 with linear-like ops at ``2 * weight elements`` (experts: ``top_k * 2 * in * out``), the
-embedding lookup at 0 and attention at ``2 * heads * (head_dim + v_head_dim)`` per cached
-position -- i.e. ``2 x active parameters (embedding table excluded) + attention term``.
+embedding lookup at 0 -- i.e. ``2 x active parameters (embedding table excluded) + attention
+term``.
 """
 
 from __future__ import annotations
@@ -70,6 +79,22 @@ def _top_k(nodes: list[Node], num_experts: int) -> int:
     return int(pick[-1].output_shape[-1]) if pick else 0
 
 
+def attention_flops_per_context(heads: int, head_dim: int, v_head_dim: int) -> int:
+    """FLOPs per query token per attended position of the attention the model computes
+    (QK^T and PV): ``2 * heads * (head_dim + v_head_dim)``."""
+    return 2 * heads * (head_dim + v_head_dim)
+
+
+def mla_absorbed_flops_per_context(heads: int, kv_lora: int, rope: int) -> int:
+    """FLOPs per decoded token per cached position of *absorbed* MLA (the form decode kernels
+    such as FlashMLA run: the key up-projection is folded into the query, the value one into
+    the output, and attention reads the ``kv_lora + rope`` latent cache directly): scores over
+    ``kv_lora + rope`` dims and the weighted sum of ``kv_lora``-dim latents, per head:
+    ``2 * heads * ((kv_lora + rope) + kv_lora)``. The folded projections cost, per token, what
+    the traced ``kv_b`` up-projection costs (``qkv.flops_per_token``), so they are not added."""
+    return 2 * heads * ((kv_lora + rope) + kv_lora)
+
+
 def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
     att = next((n for n in core if n.op == "attention"), None)
     if att is not None and len(att.input_shapes) >= 3:
@@ -87,15 +112,19 @@ def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
     feeds_v = _feeders(v_input, nodes, names) if v_input else set()
     kv_up = {n.name for n in up if n.name in feeds_v}
     kv_down = [n for n in low if _reaches_any(n, kv_up, nodes)]
+    traced = attention_flops_per_context(heads, head_dim, v_head_dim)
     if kv_down:  # MLA: the cache holds the shared latent (+ rope key), not per-head K/V
         cache, kv_heads, split = sum(_out(n) for n in kv_down), heads, False
+        kv_lora = max((_in(n) for n in up if n.name in kv_up), default=0)
+        decode = mla_absorbed_flops_per_context(heads, kv_lora, cache - kv_lora)
     else:
         total = sum(_out(n) for n in up)
         kv_heads = max((total - heads * head_dim) // max(head_dim + v_head_dim, 1), 1)
-        cache, split = kv_heads * (head_dim + v_head_dim), True
+        cache, split, decode = kv_heads * (head_dim + v_head_dim), True, traced
     attrs = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_head_dim": v_head_dim,
              "kv_cache_elems_per_token": cache, "kv_cache_split_by_heads": split,
-             "flops_per_token_per_context": 2 * heads * (head_dim + v_head_dim)}
+             "flops_per_token_per_context": traced,
+             "decode_flops_per_token_per_context": decode}
     return FusedOp(name="attn_core", in_features=sum(_out(n) for n in up),
                    out_features=heads * v_head_dim, nodes=[n.name for n in core], attrs=attrs)
 
@@ -280,7 +309,9 @@ def decode_flops_per_token(graph: Graph, context: int) -> int:
         per_layer = sum(o.flops_per_token for o in k.ops)
         attn = k.op("attn_core")
         if attn:
-            per_layer += context * int(attn.attrs.get("flops_per_token_per_context", 0))
+            a = attn.attrs
+            per_layer += context * int(a.get("decode_flops_per_token_per_context",
+                                             a.get("flops_per_token_per_context", 0)))
         total += k.count * per_layer
     return total
 
