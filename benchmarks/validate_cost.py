@@ -4,15 +4,14 @@
 
 Prints, for each published figure, the setup simulated, the published number, the
 prediction and their ratio (predicted / published). Graphs come from the real frontend
-(examples/*.py) when ``shardc.frontends.load_graph`` exists (traced once, cached as JSON in
-``$SHARDC_CACHE`` or /tmp/shardc_cache), else from the hand-built fixtures of
-tests/cost_graphs.py (same REFERENCE.md configs).
+(examples/*.py) when ``shardc.frontends.load_graph`` exists (traced once, then served by
+load_graph's on-disk graph cache), else from the hand-built fixtures of tests/cost_graphs.py
+(same REFERENCE.md configs).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +38,7 @@ def model_graph(name: str) -> tuple[Graph, str]:
     except ImportError:
         load_graph = None
     if load_graph is not None:
-        cache = Path(os.environ.get("SHARDC_CACHE", "/tmp/shardc_cache"))
-        path = cache / f"{name}.graph.json"
-        if path.exists():
-            return Graph.from_json(path.read_text()), "traced (cached)"
-        g = load_graph(str(ROOT / "examples" / f"{name}.py"))
-        cache.mkdir(parents=True, exist_ok=True)
-        path.write_text(g.to_json())
-        return g, "traced"
+        return load_graph(str(ROOT / "examples" / f"{name}.py")), "traced"
     from cost_graphs import fixture_graph
 
     return fixture_graph(name), "fixture"

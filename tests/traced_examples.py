@@ -1,4 +1,9 @@
-"""Shared, cached traces of the example models for the IR / frontend / passes tests."""
+"""Shared traces of the example models for the IR / frontend / passes tests.
+
+``load_graph`` serves repeated loads from its on-disk graph cache (across processes and
+runs; a change to a model file or to the frontend / passes code invalidates it); the
+``lru_cache`` here only keeps one parsed Graph per process. Callers that mutate a graph
+deep-copy it first."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
 the file suffix (``.py`` model file or HF ``config.json`` -> torch.export frontend; ``.onnx``
 -> :func:`shardc.frontends.onnx_frontend.trace_onnx`, imported lazily) and runs the passes
 (canonicalise -> fused-op grouping -> layer grouping). :func:`graph_from_module` does the
-same for an in-memory ``nn.Module``.
+same for an in-memory ``nn.Module``. Graphs of model files (``.py``, ``config.json``) are
+cached on disk (:mod:`shardc.frontends.graph_cache`; ``SHARDC_NO_CACHE=1`` disables it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
     """Load ``path`` (``.py`` model file, ``config.json``, ``.onnx``) into a passed IR Graph.
 
     ``tiny`` traces the file's ``tiny_model()`` instead of the full-size ``build_model()``.
+    A model file's graph is served from the on-disk cache when its key (file contents,
+    sibling ``.py`` files, ``tiny``, shardc / torch / transformers versions, frontend and
+    passes code) matches a stored entry.
     Raises :class:`InputError` (one line) for a missing or malformed model."""
     p = Path(path)
     if p.suffix == ".onnx":
@@ -36,11 +40,22 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
         from shardc.passes import run_passes
 
         return run_passes(trace_onnx(str(p)))
+    from shardc.frontends import graph_cache
     from shardc.frontends.model_file import load_model_file
 
+    key = None
+    if graph_cache.cache_enabled() and p.is_file() and p.suffix in (".py", ".json"):
+        key = graph_cache.cache_key(p, tiny)
+        cached = graph_cache.load_entry(key)
+        if cached is not None:
+            cached.source = str(p)  # the same file reached by another path string
+            return cached
     src = load_model_file(p)
     model, inputs = src.build(tiny=tiny)
-    return graph_from_module(model, inputs, name=src.name, source=src.source)
+    graph = graph_from_module(model, inputs, name=src.name, source=src.source)
+    if key is not None:
+        graph_cache.store_entry(key, graph)
+    return graph
 
 
 __all__ = ["graph_from_module", "load_graph"]

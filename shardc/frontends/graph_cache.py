@@ -1,0 +1,113 @@
+"""On-disk cache of passed IR graphs for :func:`shardc.frontends.load_graph`.
+
+Tracing a full-size model costs 20-80 s; ``compile`` / ``simulate`` / ``bench`` / the tests
+load the same model files again and again. An entry is the :meth:`Graph.to_json` text,
+gzip-compressed, in ``$SHARDC_CACHE_DIR`` (default ``~/.cache/shardc/graphs``), named by
+the sha256 of (each part length-prefixed):
+
+* the model file's bytes and its name and folder name (a ``config.json`` takes its model
+  name from them), and the bytes of every ``.py`` file in the model file's folder (model
+  files import their siblings);
+* the ``tiny`` flag;
+* ``shardc.__version__``, the torch and transformers versions (they decide the trace);
+* the bytes of every ``.py`` file under ``shardc/frontends`` and ``shardc/passes`` and of
+  ``shardc/ir/graph.py`` (so a change to the frontend, the passes or the IR invalidates it).
+
+Writes are atomic (a temp file in the cache folder, then ``os.replace``); an entry that does
+not decompress or parse is ignored (and rewritten by the caller's next store); an unwritable
+cache folder disables storing silently. ``SHARDC_NO_CACHE=1`` disables the cache. Only model
+files (``.py``, ``config.json``) are cached: an ``.onnx`` file loads in seconds and its
+external weight files would have to be hashed too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from shardc.ir.graph import Graph
+
+CACHE_DIR_ENV = "SHARDC_CACHE_DIR"
+NO_CACHE_ENV = "SHARDC_NO_CACHE"
+_PKG = Path(__file__).resolve().parents[1]
+
+
+def cache_enabled() -> bool:
+    """False when ``SHARDC_NO_CACHE`` is set to anything but ``""`` / ``"0"``."""
+    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+
+
+def cache_dir() -> Path:
+    """``$SHARDC_CACHE_DIR`` or ``~/.cache/shardc/graphs``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "shardc" / "graphs"
+
+
+def _code_files() -> list[Path]:
+    files = sorted((_PKG / "frontends").rglob("*.py")) + sorted((_PKG / "passes").rglob("*.py"))
+    return files + [_PKG / "ir" / "graph.py"]
+
+
+def cache_key(path: str | Path, tiny: bool) -> str:
+    """Hex sha256 naming the cache entry of model file ``path`` (see the module docstring)."""
+    import torch
+    import transformers
+
+    import shardc
+
+    p = Path(path).resolve()
+    h = hashlib.sha256()
+
+    def part(label: str, data: bytes) -> None:
+        h.update(f"{label}:{len(data)}:".encode())
+        h.update(data)
+
+    part("model", p.read_bytes())
+    part("model-name", f"{p.name}/{p.parent.name}".encode())
+    for f in sorted(p.parent.glob("*.py")):
+        part(f"sibling {f.name}", f.read_bytes())
+    part("tiny", b"1" if tiny else b"0")
+    part("versions", f"{shardc.__version__} {torch.__version__} {transformers.__version__}".encode())
+    for f in _code_files():
+        part(f"code {f.relative_to(_PKG).as_posix()}", f.read_bytes())
+    return h.hexdigest()
+
+
+def entry_path(key: str) -> Path:
+    return cache_dir() / f"{key}.json.gz"
+
+
+def load_entry(key: str) -> Graph | None:
+    """The cached graph for ``key``, or None if absent or unreadable (corrupt entries are
+    ignored; the next :func:`store_entry` replaces them)."""
+    f = entry_path(key)
+    try:
+        with gzip.open(f, "rt", encoding="utf-8") as fh:
+            return Graph.from_json(fh.read())
+    except FileNotFoundError:
+        return None
+    except Exception:  # truncated gzip, bad JSON, stale schema: treat as a miss
+        return None
+
+
+def store_entry(key: str, graph: Graph) -> Path | None:
+    """Write ``graph`` atomically as the entry for ``key``; None if the folder is unwritable."""
+    folder = cache_dir()
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json.gz", dir=folder)
+        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
+            fh.write(graph.to_json().encode("utf-8"))
+        os.replace(tmp, entry_path(key))
+        return entry_path(key)
+    except OSError:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return None
