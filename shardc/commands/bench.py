@@ -139,7 +139,7 @@ def _describe(space, action) -> str:
 
 
 def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None,
-             exact_limit: float = 600.0) -> list[dict]:
+             exact_limit: float = 600.0, on_case=None) -> list[dict]:
     for model in dict.fromkeys(c["model"] for c in cases):  # trace once, in this process
         cached_graph(model)
     if ray_address:
@@ -156,12 +156,20 @@ def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None,
             t0 = time.perf_counter()
             out.append(run_case(c, policies, budget, seeds, exact_limit))
             print(f"  {c['name']}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            if on_case:
+                on_case(out)
         return out
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futs = [pool.submit(run_case, c, policies, budget, seeds, exact_limit) for c in cases]
-        return [f.result() for f in futs]
+        out = []
+        for c, f in zip(cases, futs):
+            out.append(f.result())
+            print(f"  {c['name']}: done", file=sys.stderr)
+            if on_case:
+                on_case(out)
+        return out
 
 
 def run(args) -> int:
@@ -181,20 +189,29 @@ def run(args) -> int:
     seeds = args.seeds or int(cases[0]["seeds"])
     if budget < 1 or seeds < 1 or args.jobs < 1:
         raise InputError("--budget, --seeds and --jobs must be positive")
-    results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray, args.exact_limit)
-    rows = [r for res in results for r in res["rows"]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath = Path(args.json) if args.json else out / f"{args.suite}.json"
-    jpath.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     cmd = " ".join(["shardc", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
         f"shardc bench --suite {args.suite} --budget {budget} --seeds {seeds}"
-    (out / f"{args.suite}.md").write_text(markdown(args.suite, rows, cmd))
-    first = results[0]
-    by = {r["policy"]: r for r in first["rows"]}
-    plot_search_curve(out / f"{args.suite}_search.png",
-                      {p: c for p, c in first["curves"].items() if p in SEEDED},
-                      megatron=by.get("megatron", {}).get("best"),
-                      exact=by.get("exact", {}).get("best"), title=cases[0]["name"] + " (seed 0)")
+
+    def write(results: list[dict]) -> None:
+        """(Re)write the JSON, markdown and plot from the cases finished so far."""
+        rows = [r for res in results for r in res["rows"]]
+        jpath.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        note = "" if len(results) == len(cases) else \
+            f"Partial: {len(results)} of {len(cases)} cases finished."
+        (out / f"{args.suite}.md").write_text(markdown(args.suite, rows, cmd, note))
+        first = results[0]
+        by = {r["policy"]: r for r in first["rows"]}
+        plot_search_curve(out / f"{args.suite}_search.png",
+                          {p: c for p, c in first["curves"].items() if p in SEEDED},
+                          megatron=by.get("megatron", {}).get("best"),
+                          exact=by.get("exact", {}).get("best"),
+                          title=cases[0]["name"] + " (seed 0)")
+
+    results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray, args.exact_limit,
+                       on_case=write)
+    write(results)
     print(f"wrote {jpath}, {out / (args.suite + '.md')}")
     return 0

@@ -65,9 +65,10 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     sweep = policy in ("megatron", "exact")
     meter = Budget(objective, None if sweep else budget, progress)
     complete = True
+    extra: dict = {}
     t0 = time.perf_counter()
     if policy == "rl":
-        rl.search_rl(sampler, meter, rng, seed, **options)
+        extra = rl.search_rl(sampler, meter, rng, seed, **options)
     elif policy == "exact":
         cm = getattr(objective, "cost_model", None)
         if cm is not None and getattr(objective, "space", None) is space \
@@ -92,7 +93,7 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
         assert sampler.legal(meter.best_action[None])[0], "searcher produced an illegal action"
     return SearchResult(best_action=meter.best_action, best_value=meter.best_value,
                         evaluations=meter.evaluations, curve=meter.curve, wall_s=wall,
-                        policy=policy, seed=seed, complete=complete)
+                        policy=policy, seed=seed, complete=complete, extra=extra)
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,

@@ -89,21 +89,24 @@ def rewards_for(values, feasible, ref, best_before, cfg: RLConfig) -> np.ndarray
 
 
 def search_rl(sampler: LegalSampler, budget: Budget, rng: np.random.Generator, seed: int,
-              cfg: RLConfig | None = None) -> None:
-    """Spend ``budget`` with the agent (deterministic given ``seed`` and ``rng``)."""
+              cfg: RLConfig | None = None) -> dict:
+    """Spend ``budget`` with the agent (deterministic given ``seed`` and ``rng``); returns
+    ``{"network_lives": n}`` (chunks run, each with a freshly initialised network)."""
     cfg = cfg or RLConfig()
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
+    lives = [0]
     try:
-        _run(sampler, budget, rng, seed, cfg)
+        _run(sampler, budget, rng, seed, cfg, lives)
     except BudgetExhausted:
         pass
     finally:
         torch.set_num_threads(prev_threads)
+    return {"network_lives": lives[0]}
 
 
-def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig) -> None:
+def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, lives) -> None:
     history = EliteHistory(sampler.n_comp, cfg.history)
     total = budget.remaining
     chunk_evals = max(total // cfg.chunks, cfg.batch)
@@ -112,6 +115,7 @@ def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig) -
     while budget.remaining > 0:
         chunk = _Chunk(sampler, cfg, seed * 1009 + chunk_id, chunk_evals // cfg.batch)
         chunk_id += 1
+        lives[0] = chunk_id
         used = 0
         while used < chunk_evals and budget.remaining > 0:
             obs = torch.from_numpy(history.observation(sampler))[None]
