@@ -105,12 +105,17 @@ def test_bad_batch_value(capsys):
     assert "--batch" in err
 
 
-def test_model_too_big_for_mesh_exits_3_and_says_what_is_short(capsys):
-    code, err = run_cli(capsys, "compile", str(ROOT / "examples" / "llama3_70b.py"),
-                        "--mesh", "1x1", "--search", "megatron", "--budget", "50")
+def test_model_too_big_for_mesh_exits_3_and_says_what_is_short(capsys, tmp_path):
+    """A GPU whose HBM holds a fraction of tiny Llama: the same path as a 70B model on one
+    H100, without tracing 70B parameters in a unit test."""
+    hw = tmp_path / "small_hbm.toml"
+    hw.write_text('base = "h100"\nname = "h100-small-hbm"\nhbm_gb = 0.0002\nworkspace_gb = 0.0\n')
+    code, err = run_cli(capsys, "compile", TINY, "--mesh", "1x1", "--hardware", str(hw),
+                        "--search", "megatron", "--budget", "50", "--out", str(tmp_path / "o"))
     assert code == 3
     assert_one_line(err)
-    assert "GPUs" in err and "mesh has 1" in err
+    assert "needs >= " in err and "GPUs to hold weights + KV cache; mesh has 1" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_slo_no_strategy_meets_exits_3(capsys, tmp_path):
