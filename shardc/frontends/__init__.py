@@ -41,7 +41,6 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
 
         return run_passes(trace_onnx(str(p)))
     from shardc.frontends import graph_cache
-    from shardc.frontends.model_file import load_model_file
 
     key = None
     if graph_cache.cache_enabled() and p.is_file() and p.suffix in (".py", ".json"):
@@ -50,6 +49,8 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
         if cached is not None:
             cached.source = str(p)  # the same file reached by another path string
             return cached
+    from shardc.frontends.model_file import load_model_file  # imports torch: after the cache
+
     src = load_model_file(p)
     model, inputs = src.build(tiny=tiny)
     graph = graph_from_module(model, inputs, name=src.name, source=src.source)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.metadata
 import os
 import tempfile
 from pathlib import Path
@@ -51,11 +52,17 @@ def _code_files() -> list[Path]:
     return files + [_PKG / "ir" / "graph.py"]
 
 
-def cache_key(path: str | Path, tiny: bool) -> str:
-    """Hex sha256 naming the cache entry of model file ``path`` (see the module docstring)."""
-    import torch
-    import transformers
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
+
+def cache_key(path: str | Path, tiny: bool) -> str:
+    """Hex sha256 naming the cache entry of model file ``path`` (see the module docstring).
+    Library versions come from the installed distributions' metadata (no import: a cache hit
+    does not pay the 3-5 s torch + transformers start-up)."""
     import shardc
 
     p = Path(path).resolve()
@@ -70,7 +77,7 @@ def cache_key(path: str | Path, tiny: bool) -> str:
     for f in sorted(p.parent.glob("*.py")):
         part(f"sibling {f.name}", f.read_bytes())
     part("tiny", b"1" if tiny else b"0")
-    part("versions", f"{shardc.__version__} {torch.__version__} {transformers.__version__}".encode())
+    part("versions", f"{shardc.__version__} {_version('torch')} {_version('transformers')}".encode())
     for f in _code_files():
         part(f"code {f.relative_to(_PKG).as_posix()}", f.read_bytes())
     return h.hexdigest()
