@@ -9,6 +9,7 @@ must be caught. The 8-rank launch is marked slow.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,7 @@ def deepseek_cases(code: str | None) -> list[Case]:
 
 
 def emit_code(model_file: str, degrees: dict, choices: dict, out: Path) -> str:
-    """plan (tiny graph) -> parallelize.py on disk, checked by ruff."""
+    """plan (tiny graph) -> parallelize.py on disk (ruff-checked by :func:`ruff_clean`)."""
     from shardc.backends.apply import strategy_from_names
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Mesh, Workload
@@ -106,14 +107,62 @@ def emit_code(model_file: str, degrees: dict, choices: dict, out: Path) -> str:
     world = st.degrees.world
     plan = build_plan(graph, st, Mesh(world, 1), "h100", Workload(batch=8))
     out.write_text(plan.code())
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(out)],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stdout + r.stderr
     return str(out)
 
 
+def ruff_clean(paths: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *paths],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def big_mesh_llama_plan(tmp: Path) -> str:
+    """A Llama plan for a 64-GPU mesh (tp 8, dp 8): ``shardc verify --world 4`` scales it
+    (tp to 2: the tiny model has 2 KV heads; dp fills the other ranks)."""
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
+    from shardc.plan import build_plan
+
+    graph = load_graph(LLAMA, tiny=True)
+    ch = {"embedding": 0, "lm_head": 0, "dense_block.qkv": 0, "dense_block.attn_core": 0,
+          "dense_block.out_proj": 1, "dense_block.ffn1": 0, "dense_block.ffn2": 0}
+    st = Strategy(Degrees(tp=8, dp=8), 8, ch)
+    build_plan(graph, st, Mesh(8, 8), "h100", Workload(batch=8)).save(tmp / "plan.json")
+    return str(tmp / "plan.json")
+
+
+VERIFY_CASE = "llama 64-GPU plan scaled by shardc verify --world 4"
+
+
+def verify_cli(plan: str, run_cases, capsys=None) -> tuple[int, str]:
+    """``shardc verify LLAMA --plan plan --world 4`` in process with ``run_cases`` replaced."""
+    from shardc.backends import verify as harness
+    from shardc.cli import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "run_cases", run_cases)
+        rc = main(["verify", LLAMA, "--plan", plan, "--world", "4"])
+    return rc, capsys.readouterr().out if capsys else ""
+
+
 @pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory):
+def verify_plan(tmp_path_factory):
+    """(plan path, the Case ``shardc verify`` builds for it): the case runs in the launch."""
+    plan = big_mesh_llama_plan(tmp_path_factory.mktemp("verify"))
+    seen = []
+
+    def record(model_ref, cases, world, **kw):
+        seen.append((model_ref, cases, world, kw))
+        return [{"name": c.name, "rel_err": 0.0, "error": None} for c in cases]
+
+    verify_cli(plan, record)
+    (model_ref, cases, world, kw), = seen
+    assert model_ref == LLAMA and world == 4 and kw == {"seq": 8} and len(cases) == 1
+    return plan, cases[0]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory, verify_plan):
     tmp = tmp_path_factory.mktemp("parallelize")
     llama_code = emit_code(LLAMA, {"tp": 2, "dp": 2, "sp": 2}, _with(DENSE, D, ffn2="col"),
                            tmp / "llama_parallelize.py")
@@ -123,14 +172,18 @@ def gloo_results(tmp_path_factory):
     # DeepSeek's emitted code: EP over 4 with replicated MLA in the dense layer, sp off
     ds_code = emit_code(DEEPSEEK, {"ep": 4}, _with(DS_MEGATRON, D, **REP_ATTN),
                         tmp / "deepseek_parallelize.py")
-    suites = [(LLAMA, llama_cases(llama_code)), (MIXTRAL, moe_cases("mixtral", mixtral_code)),
+    ruff_clean([llama_code, mixtral_code, gpt_code, ds_code])
+    scaled = dataclasses.replace(verify_plan[1], name=VERIFY_CASE)
+    suites = [(LLAMA, llama_cases(llama_code) + [scaled]),
+              (MIXTRAL, moe_cases("mixtral", mixtral_code)),
               (GPT_MOE, moe_cases("gpt_moe", gpt_code)), (DEEPSEEK, deepseek_cases(ds_code))]
     results = run_suites(suites, world=4)
     return {r["name"]: r for r in results}
 
 
 ALL_NAMES = ([c.name for c in llama_cases("x")] + [c.name for c in moe_cases("mixtral", "x")]
-             + [c.name for c in moe_cases("gpt_moe", "x")] + [c.name for c in deepseek_cases("x")])
+             + [c.name for c in moe_cases("gpt_moe", "x")] + [c.name for c in deepseek_cases("x")]
+             + [VERIFY_CASE])
 
 
 @pytest.mark.parametrize("name", ALL_NAMES)
@@ -141,6 +194,23 @@ def test_logits_match_unsharded(gloo_results, name):
         return
     assert r["error"] is None, r["error"]
     assert r["rel_err"] <= TOL, r
+
+
+def test_verify_runs_a_big_mesh_plan_scaled_down(gloo_results, verify_plan, capsys):
+    """``shardc verify`` scales a 64-GPU plan to 4 ranks; the case it builds is the one the
+    launch above ran (same degrees, choices, layer kinds), whose result it reports."""
+    plan, case = verify_plan
+
+    def replay(model_ref, cases, world, **kw):
+        assert (model_ref, world, kw) == (LLAMA, 4, {"seq": 8}) and cases == [case]
+        return [dict(gloo_results[VERIFY_CASE], name=case.name)]
+
+    capsys.readouterr()
+    rc, out = verify_cli(plan, replay, capsys)
+    assert case.degrees == {"tp": 2, "pp": 1, "ep": 1, "dp": 2, "sp": 1}
+    assert rc == 0, out
+    assert "tp 8->2" in out and "dp 8->2" in out
+    assert "verify OK" in out
 
 
 @pytest.mark.slow

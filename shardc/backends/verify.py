@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +57,15 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
     results = []
     try:
         for model_ref, cases in suites:
+            t0 = time.perf_counter()
             model, ids = _build(model_ref, batch, seq)
             with torch.no_grad():
                 ref = _logits(model(ids))
+            build_s = time.perf_counter() - t0
             for c in cases:
                 case = Case(**c)
-                res = {"name": case.name}
+                res = {"name": case.name, "reference_s": build_s}
+                t0, build_s = time.perf_counter(), 0.0
                 try:
                     fresh = _build(model_ref, batch, seq)[0]
                     if case.code:
@@ -82,6 +86,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                         import traceback
 
                         res["error"] += "\n" + traceback.format_exc()
+                res["seconds"] = time.perf_counter() - t0
                 results.append(res)
                 dist.barrier()
     finally:
@@ -139,9 +144,30 @@ def _logits(out) -> torch.Tensor:
 
 def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None = None,
               seq: int = 8, timeout_s: float = 900) -> list[dict]:
-    """Run ``cases`` on ``world`` gloo processes; returns per case {name, rel_err, error}
-    (the worst over ranks holding logits)."""
+    """Run ``cases`` on ``world`` gloo processes; returns per case {name, rel_err, error,
+    seconds} (the worst over ranks holding logits; ``seconds``: rank 0's wall time for the
+    case, ``reference_s`` its model's unsharded reference run, first case only)."""
     return run_suites([(model_ref, cases)], world, batch, seq, timeout_s)
+
+
+# Imported once by the fork server; every worker forks from it instead of importing torch,
+# transformers and shardc again (start-up dominated the launch: ~4x the import CPU time).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers",
+            "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+            "shardc.frontends.model_file", "shardc.backends.apply", "shardc.backends.verify"]
+
+
+def _start_method() -> str:
+    """``forkserver`` with the heavy imports preloaded (a fresh single-threaded server
+    process, so forking it is safe); ``spawn`` where there is no fork server or when
+    ``SHARDC_VERIFY_SPAWN=1``."""
+    import multiprocessing
+
+    if os.environ.get("SHARDC_VERIFY_SPAWN", "") not in ("", "0") or \
+            "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return "forkserver"
 
 
 def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | None = None,
@@ -153,11 +179,10 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
     suites = [(os.path.abspath(m) if m.endswith(".py") else m, cs) for m, cs in suites]
     cases = [c for _, cs in suites for c in cs]
     payload = [(m, [c.__dict__ for c in cs]) for m, cs in suites]
+    method = _start_method()
     with tempfile.TemporaryDirectory(prefix="shardc-verify-") as tmp:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), payload, batch, seq, tmp),
-                                 nprocs=world, join=False, start_method="spawn")
-        import time
-
+                                 nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
@@ -171,6 +196,9 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
     merged = []
     for i, c in enumerate(cases):
         res = {"name": c.name, "rel_err": None, "error": None}
+        if per_rank and i < len(per_rank[0]):
+            res["seconds"] = per_rank[0][i].get("seconds")
+            res["reference_s"] = per_rank[0][i].get("reference_s", 0.0)
         for rank_res in per_rank:
             if i >= len(rank_res):
                 res["error"] = res["error"] or "a rank did not finish"
