@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 
 import pytest
@@ -98,3 +99,14 @@ def test_no_cache_env_and_unwritable_folder(model_dir, traces, monkeypatch, tmp_
     monkeypatch.setenv(graph_cache.CACHE_DIR_ENV, str(blocker / "cache"))
     assert load_graph(path, tiny=True).layer_kinds  # still loads, nothing stored
     assert len(traces) == 3
+
+
+def test_oldest_entries_pruned(tmp_path, monkeypatch):
+    monkeypatch.setenv(graph_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(graph_cache, "MAX_ENTRIES", 2)
+    for i, key in enumerate(("a" * 64, "b" * 64, "c" * 64)):
+        path = graph_cache.store_entry(key, Graph(name=key[:1]))
+        os.utime(path, (1000 + i, 1000 + i))
+    assert [p.name[:1] for p in _entries()] == ["b", "c"]
+    assert graph_cache.load_entry("a" * 64) is None
+    assert graph_cache.load_entry("c" * 64) == Graph(name="c")

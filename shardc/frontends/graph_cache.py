@@ -15,7 +15,8 @@ the sha256 of (each part length-prefixed):
 
 Writes are atomic (a temp file in the cache folder, then ``os.replace``); an entry that does
 not decompress or parse is ignored (and rewritten by the caller's next store); an unwritable
-cache folder disables storing silently. ``SHARDC_NO_CACHE=1`` disables the cache. Only model
+cache folder disables storing silently; beyond :data:`MAX_ENTRIES` entries the oldest are
+deleted. ``SHARDC_NO_CACHE=1`` disables the cache. Only model
 files (``.py``, ``config.json``) are cached: an ``.onnx`` file loads in seconds and its
 external weight files would have to be hashed too.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from shardc.ir.graph import Graph
 
+MAX_ENTRIES = 200  # oldest entries (by modification time) beyond this are deleted
 CACHE_DIR_ENV = "SHARDC_CACHE_DIR"
 NO_CACHE_ENV = "SHARDC_NO_CACHE"
 _PKG = Path(__file__).resolve().parents[1]
@@ -110,6 +112,7 @@ def store_entry(key: str, graph: Graph) -> Path | None:
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
             fh.write(graph.to_json().encode("utf-8"))
         os.replace(tmp, entry_path(key))
+        _prune(folder)
         return entry_path(key)
     except OSError:
         if tmp is not None:
@@ -118,3 +121,18 @@ def store_entry(key: str, graph: Graph) -> Path | None:
             except OSError:
                 pass
         return None
+
+
+def _prune(folder: Path) -> None:
+    """Delete the oldest entries beyond :data:`MAX_ENTRIES` (every code edit makes new keys)."""
+    entries = []
+    for f in folder.glob("*.json.gz"):
+        try:
+            entries.append((f.stat().st_mtime, f.name, f))
+        except OSError:
+            continue
+    for _, _, f in sorted(entries)[:-MAX_ENTRIES]:
+        try:
+            f.unlink()
+        except OSError:
+            pass
