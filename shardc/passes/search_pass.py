@@ -20,7 +20,7 @@ from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choices
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
-from shardc.search import SearchResult, run_search
+from shardc.search import SearchResult, cost_model_objective, run_search
 
 
 @dataclass
@@ -36,14 +36,6 @@ class SearchOutcome:
     exact_value: float | None = None
     chosen_from: str = "rl"  # the policy whose strategy was kept ("megatron" if it was better)
     searched: SearchResult | None = None  # the requested searcher's own result
-
-
-def _objective(cost_model: CostModel, space: StrategySpace):
-    def objective(actions: np.ndarray):
-        ev = cost_model.evaluate(actions, space)
-        return ev.tok_s_per_gpu, ev.feasible
-
-    return objective
 
 
 def _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed) -> str:
@@ -78,7 +70,7 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits."""
     space = StrategySpace(graph, mesh, workload)
     cost_model = CostModel(graph, mesh, hardware, workload)
-    objective = _objective(cost_model, space)
+    objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     megatron = run_search("megatron", space, objective, budget=budget, seed=seed)
     if policy == "megatron":
         result = megatron
@@ -96,5 +88,6 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
     annotated = annotate(graph, strategy)
+    exact_value = searched.best_value if policy == "exact" and searched.complete else None
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
-                         chosen_from=chosen_from, searched=searched)
+                         exact_value=exact_value, chosen_from=chosen_from, searched=searched)
