@@ -54,6 +54,12 @@ default; neighbours 50% + risk 0.1 0.973 / 0.937; neighbours 25% with up to 3 ch
 risk 0.1 0.973 / 0.983. Risk-seeking alone is not safe on the paper suite: GPT-MoE 1.6T
 decode 16k, seeds 0-3, 0.869 (two seeds at 0.738); with the default mix 1.000, and 1.2T
 16k 0.9968, 1.6T 32k 0.9965 (old defaults, paper.md seeds 0-2: 0.9967, 0.9956, 0.9954).
+Rejected: a neighbour whose pp changed also scaling its batch by the same factor fixed 1.2T
+16k (seeds 0-3 all 1.000) but broke 1.6T 16k / 32k (one seed each at 0.738) and l2 (seeds
+0-7 mean 0.959). Known cost of the default (bench, 2 seeds): deepseek-v3 prefill 8x16 / 8x32
+RL mean fell from 100% to 98.4% / 98.0% of exact (seed 1 stops at 0.969 / 0.961; best of
+seeds still the optimum), and on GPT-MoE 1.2T decode 16k seeds 0-2 reach 0.9972, 0.9972,
+0.9928 of exact, i.e. best 0.998x Megatron (old defaults: 1.001x).
 On the synthetic toy (tests) seeds 0-7: old defaults 7/8 at the optimum, worst 0.617; the
 default mix 6/8, worst 0.962. RL wall time is unchanged (3-5 s per 4000 evaluations on a
 quiet machine for these cases).
