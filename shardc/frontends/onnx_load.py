@@ -14,6 +14,7 @@ Shapes are in elements; dtypes are spelled as torch spells them (``"bfloat16"``)
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -62,10 +63,7 @@ class Initializer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
 
 @dataclass

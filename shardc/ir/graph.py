@@ -19,6 +19,7 @@ no floats that do not round-trip) and exact: ``Graph.from_json(g.to_json()) == g
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -68,10 +69,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
 
 @dataclass

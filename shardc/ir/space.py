@@ -14,6 +14,7 @@ invalid (``space.degrees_valid``). Per-op masks depend on the tp degree only
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,10 +86,7 @@ class StrategySpace:
     @property
     def size(self) -> int:
         """Number of joint configurations (before masking), as a Python int."""
-        n = 1
-        for v in self.nvec:
-            n *= int(v)
-        return n
+        return math.prod(int(v) for v in self.nvec)
 
     def _fused(self, slot: str):
         if "." in slot:
