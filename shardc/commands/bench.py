@@ -1,9 +1,7 @@
 """``shardc bench --suite paper|zoo``: every searcher on every case of a suite (SPEC section 8).
 
 Cases are data (``shardc/search/suites.toml``). For each case: the graph (traced once, then
-cached as JSON under ``$SHARDC_CACHE`` or ``~/.cache/shardc/graphs``, keyed by a hash of the
-model file, its sibling ``.py`` files and the shardc version: delete the cache after changing
-the frontend), the cost model, then
+read from the graph cache, :mod:`shardc.frontends.graph_cache`), the cost model, then
 ``rl``, ``sa``, ``rw``, ``ga`` over ``--seeds`` seeds at ``--budget`` evaluations, and the
 ``megatron`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
 ``benchmarks/<suite>.json``: ``{"rows": [{case, policy, seeds, mean, best, evaluations,
@@ -14,9 +12,7 @@ curves of seed 0 on the first case).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -63,33 +59,12 @@ def _model_path(model: str) -> Path:
     raise InputError(f"{model}: model file not found (run from the repository root)")
 
 
-def _cache_key(path: Path) -> str:
-    import shardc
-
-    h = hashlib.sha256(shardc.__version__.encode())
-    for f in sorted(path.parent.glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def cached_graph(model: str):
-    """The passed IR Graph of a model file, from the JSON cache when its key matches."""
-    from shardc.ir.graph import Graph
-
-    path = _model_path(model)
-    root = Path(os.environ.get("SHARDC_CACHE", Path.home() / ".cache" / "shardc")) / "graphs"
-    file = root / f"{path.stem}-{_cache_key(path)}.json"
-    if file.exists():
-        return Graph.from_json(file.read_text())
+    """The passed IR Graph of a suite's model file (traced once, then read from the graph
+    cache of :func:`shardc.frontends.load_graph`)."""
     from shardc.frontends import load_graph
 
-    graph = load_graph(str(path))
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(graph.to_json())
-    tmp.replace(file)
-    return graph
+    return load_graph(_model_path(model))
 
 
 # ------------------------------------------------------------------------------ running
