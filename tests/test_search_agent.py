@@ -124,3 +124,78 @@ def test_elite_history_keeps_the_best_distinct_feasible():
     np.testing.assert_array_equal(h.actions, [[0, 1], [1, 1], [0, 0]])
     h.add(np.array([[1, 0]]), np.array([6.0]), np.array([True]))
     np.testing.assert_array_equal(h.values, [9.0, 7.0, 6.0])
+
+
+def _degrees(space, actions):
+    d = space.degree_arrays(actions)
+    return np.stack([d["tp"], d["ep"], d["pp"], d["dp"]], axis=1)
+
+
+@pytest.mark.parametrize("mesh", ["8x1", "8x16", "6x2"])
+def test_factor_moves_move_one_prime_factor_between_two_degrees(mesh):
+    """Every factor-move neighbour is legal and differs from its parent by one prime factor
+    p taken from one of (tp, ep, pp, dp) and given to another; the GPU count is kept."""
+    space = toy_space(mesh=mesh, experts=8, heads=48, hidden=1536)
+    sampler = LegalSampler(space)
+    rng = np.random.default_rng(0)
+    parents = sampler.sample(400, rng)
+    kids = sampler.factor_move(parents, rng)
+    assert sampler.legal(kids).all()
+    old, new = _degrees(space, parents), _degrees(space, kids)
+    ratio = new / old
+    up, down = (ratio > 1).sum(axis=1), (ratio < 1).sum(axis=1)
+    moved = up > 0
+    assert moved.mean() > 0.9  # almost every legal triple has a neighbour on these meshes
+    assert (up[moved] == 1).all() and (down[moved] == 1).all()
+    factor = ratio.max(axis=1)[moved]
+    assert np.allclose(factor * ratio.min(axis=1)[moved], 1.0)
+    assert set(np.round(factor).astype(int)) <= {2, 3}  # primes of 8, 16, 12 GPUs
+    assert (new.prod(axis=1) == space.mesh.gpus).all()
+
+
+@pytest.mark.parametrize("name", ["llama3_70b", "mixtral_8x7b", "deepseek_v3", "gpt_moe_1p2t"])
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_cost_model_op_choices_are_free_at_tp1(name, phase):
+    """CostModelObjective.op_choices_free_at_tp1 (the agent relies on it): at tp = 1 any op
+    choices give the same throughput and feasibility as Megatron's."""
+    from cost_graphs import fixture_graph
+
+    from shardc.cost import CostModel
+    from shardc.ir.space import StrategySpace
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.search.objective import cost_model_objective
+    from shardc.search.rl import _canonical_tp1
+
+    graph, mesh = fixture_graph(name), Mesh.parse("8x16")
+    wl = Workload(phase=phase, tpot_slo_ms=1e4, ttft_slo_ms=1e5)  # memory/batch decide
+    space = StrategySpace(graph, mesh, wl)
+    objective = cost_model_objective(CostModel(graph, mesh, "h100", wl), space)
+    assert objective.op_choices_free_at_tp1
+    sampler = LegalSampler(space)
+    rng = np.random.default_rng(1)
+    acts = sampler.sample(600, rng)
+    acts[:, 0] = space.values["tp"].index(1)
+    acts[:, 2] = space.values["pp"].index(4)  # weights fit; batch divides the 4 micro-batches
+    acts[:, 4] = rng.integers(2, 9, size=len(acts))
+    acts = sampler.repair(acts, rng)
+    canon = _canonical_tp1(sampler, acts)
+    assert not np.array_equal(canon, acts)
+    v, f = objective(acts)
+    v2, f2 = objective(canon)
+    assert f.any() and (f == f2).all()
+    np.testing.assert_allclose(v[f], v2[f], rtol=1e-12)
+
+
+def test_elite_stores_tp1_rows_canonically_only_for_objectives_that_allow_it(case):
+    """With the cost-model objective, tp = 1 elite rows carry Megatron's op choices; the toy
+    objective (op choices matter at tp = 1) keeps the evaluated rows as they were."""
+    from shardc.search.rl import _canonical_tp1
+
+    space, objective, _ = case
+    sampler = LegalSampler(space)
+    acts = sampler.sample(50, np.random.default_rng(3))
+    acts[:, 0] = space.values["tp"].index(1)
+    canon = _canonical_tp1(sampler, acts)
+    assert (canon[:, :5] == acts[:, :5]).all()
+    assert (canon[:, 5:] == canon[0, 5:]).all()
+    assert not getattr(objective, "op_choices_free_at_tp1", False)

@@ -24,6 +24,11 @@ TP, EP, PP, SP, BATCH = range(5)
 N_DEG = len(DEGREE_COMPONENTS)
 
 
+def _primes_upto(n: int) -> np.ndarray:
+    return np.array([p for p in range(2, n + 1) if all(p % q for q in range(2, int(p**0.5) + 1))],
+                    dtype=np.int64)
+
+
 class LegalSampler:
     """Conditional masks and uniform legal sampling over one strategy space."""
 
@@ -42,6 +47,46 @@ class LegalSampler:
         self.pp_mask = (world % prod) == 0  # [n_tp, n_ep, n_pp]
         self.op_mask = space._op_mask_by_tp  # [n_tp, n_slots, 3]
         self.max_n = int(self.nvec.max())
+        self._factor_moves = self._factor_move_table(tp, ep, pp, world)
+
+    def _factor_move_table(self, tp, ep, pp, world) -> tuple[np.ndarray, np.ndarray]:
+        """Legal (tp, ep, pp) index triples and, per triple, the triples one *factor move*
+        away: a prime factor p of one of tp, ep, pp, dp moved to another of them
+        (e.g. ep 4 -> 8 with pp 8 -> 4, or tp 2 -> 4 with dp 4 -> 2). Returns
+        (triples [K, 3], adjacency [K, K] bool)."""
+        idx = np.argwhere(self.pp_mask)  # [K, 3] index triples that tile the mesh
+        deg = np.stack([tp[idx[:, 0]], ep[idx[:, 1]], pp[idx[:, 2]]], axis=1)
+        deg = np.concatenate([deg, world // deg.prod(axis=1, keepdims=True)], axis=1)  # + dp
+        ratio = deg[None, :, :] / deg[:, None, :]  # [K, K, 4] new / old per dim
+        up = ratio > 1
+        down = ratio < 1
+        same = ratio == 1
+        one_up = up.sum(axis=2) == 1
+        one_down = down.sum(axis=2) == 1
+        factor = np.where(up, ratio, 1.0).prod(axis=2)
+        prime = np.isin(np.round(factor).astype(np.int64), _primes_upto(world))
+        adj = one_up & one_down & (same.sum(axis=2) == 2) & prime
+        return idx, adj
+
+    def factor_move(self, actions: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Neighbours on the degree lattice: per row, (tp, ep, pp) replaced by a uniformly
+        chosen triple one factor move away (:meth:`_factor_move_table`; rows without one are
+        unchanged), then :meth:`repair` (op choices illegal at the new tp are redrawn)."""
+        a = np.array(np.atleast_2d(actions), dtype=np.int64)
+        idx, adj = self._factor_moves
+        shape = np.array([self.nvec[TP], self.nvec[EP], self.nvec[PP]])
+        key = np.ravel_multi_index(idx.T, shape)
+        lookup = np.full(int(shape.prod()), -1, dtype=np.int64)
+        lookup[key] = np.arange(len(idx))
+        row = lookup[np.ravel_multi_index(a[:, [TP, EP, PP]].T, shape)]
+        ok = row >= 0
+        if ok.any():
+            cand = adj[row[ok]]
+            has = cand.any(axis=1)
+            pick = self._pick(cand[has], rng)
+            sel = np.flatnonzero(ok)[has]
+            a[np.ix_(sel, [TP, EP, PP])] = idx[pick]
+        return self.repair(a, rng)
 
     # ------------------------------------------------------------------ masks
     def component_mask(self, actions: np.ndarray, j: int) -> np.ndarray:

@@ -71,7 +71,14 @@ class Budget:
 class CostModelObjective:
     """``CostModel.evaluate(actions, space) -> Evaluation`` (shardc.cost) as an objective:
     value = ``tok_s_per_gpu``, feasible = ``feasible``. Keeps ``cost_model`` and ``space``
-    so ``exact`` can use the cost model's branch decomposition."""
+    so ``exact`` can use the cost model's branch decomposition.
+
+    ``op_choices_free_at_tp1``: with tp = 1 there is no tensor-parallel mesh dimension, so
+    every per-op choice means the same placement (replicated) and costs the same; searchers
+    may store such strategies with any representative op choices (tests check the claim
+    on every example model)."""
+
+    op_choices_free_at_tp1 = True
 
     def __init__(self, cost_model, space):
         self.cost_model = cost_model

@@ -53,6 +53,33 @@ and mixtral-8x7b 8x1 decode 1.0000 both. Following for half of the dp-changing n
 baseline 0.9917 / 0.9742; following 1.0: 0.9804 / 0.9593; 0.5: 0.9774 / 0.9827; only on pp
 changes: 0.9753 / 0.9671), hence decode only (prefill proposals are unchanged).
 
+Factor moves (``factor_mix`` = 0.1) and a canonical tp = 1 elite (``tp1_canonical``): a
+tenth of the elite neighbours are not 1-2 random component changes but a move on the degree
+lattice (:meth:`LegalSampler.factor_move`: one prime factor taken from one of tp, ep, pp, dp
+and given to another, e.g. ep 4 -> 8 with pp 8 -> 4); and when the objective declares op
+choices free at tp = 1 (:class:`~shardc.search.objective.CostModelObjective`), elite rows
+at tp = 1 are stored with Megatron's op choices -- the same strategy under one name, so the
+elite does not fill with copies of one tp = 1 point, and a neighbour that raises tp starts
+from Megatron's dims instead of arbitrary ones. Measured 2026-11-22 (zoo prefill, seeds
+0-15, mean / min fraction of exact; l1 / l2 = llama3-70b 8x1 / 8x2, mx = mixtral-8x7b 8x1,
+ds16 / ds32 = deepseek-v3 8x16 / 8x32): before l1 0.987 / 0.954, l2 0.967 / 0.922 (below
+Megatron's 0.946), mx 0.998 / 0.998, ds16 0.998 / 0.969, ds32 0.991 / 0.961 (the stuck
+seeds sat at ep 4 pp 8 against the optimum's ep 8 pp 4); after l1 0.983 / 0.954, l2 0.965 /
+0.948, mx 0.998 / 0.998, ds16 and ds32 1.000 / 1.000 -- every seed at or above Megatron.
+Factor moves alone at 0.25: ds 1.000 both but l1 0.978, l2 0.959; with the canonical elite
+at 0.25: l1 0.973, l2 0.964 (0.973 with one extra random change). Tried and not kept (all
+within seed noise on l1 / l2 / mx, about +-0.01): elite rows required to differ in value
+(l2 0.963 on 6 seeds), T = 5 or 8 (l2 0.974 / 0.978), neighbours drawn from the best 16 or
+32 distinct strategies (l2 0.978 / 0.968), two or three independent elite histories for
+half the budget then merged (l2 0.972), op heads conditioned on the sampled tp (l2 0.975).
+The llama prefill optimum (tp 4, attention replicated over the tp group with sequence
+parallelism, FFN Megatron-split, pp 1, batch 8) sits next to infeasible points (the same
+with batch 16, or with the FFN replicated, does not fit) and differs from the second-best
+basin (tp 2 pp 2, attention split by heads, FFN replicated: 0.976) in 9 components; the
+mixtral prefill optimum (tp 2, attention replicated, experts Megatron-split, 1.002x the
+tp 1 pp 2 plateau every seed stops at) in 8. SA reaches the latter by drifting on the
+plateau; no variant above did reliably.
+
 Why the risk-seeking / neighbour defaults (measured 2026-11-22, cost model, budget 4000, best value as a fraction of the exact
 optimum; "l1"/"l2" = llama3-70b prefill 2k on 8x1 / 8x2). The prefill spaces are *not* short
 of feasible points (uniform legal samples: 24.7% / 27.6% feasible, against 2.4% on GPT-MoE
@@ -94,7 +121,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardc.ir.space import DEGREE_COMPONENTS
+from shardc.ir.space import DEGREE_COMPONENTS, megatron_op_choices
 from shardc.search.legal import LegalSampler
 from shardc.search.objective import Budget, BudgetExhausted
 from shardc.search.policy import EliteHistory, ElitePolicy, masked_log_probs, sample_masked
@@ -121,6 +148,8 @@ class RLConfig:
     mutate_mix: float = 0.25  # fraction of each batch proposed as elite neighbours
     mutate_changes: int = 2  # at most this many components changed per neighbour
     batch_follow: float = 1.0  # decode: fraction of dp-changing neighbours whose batch follows
+    factor_mix: float = 0.1  # fraction of the neighbours that are factor moves of the degrees
+    tp1_canonical: bool = True  # elite rows at tp = 1 keep Megatron's (equivalent) op choices
 
 
 class _Chunk:
@@ -177,6 +206,7 @@ def search_rl(sampler: LegalSampler, budget: Budget, rng: np.random.Generator, s
 
 def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, lives) -> None:
     history = EliteHistory(sampler.n_comp, cfg.history)
+    canonical = cfg.tp1_canonical and getattr(budget.objective, "op_choices_free_at_tp1", False)
     total = budget.remaining
     chunk_evals = max(total // cfg.chunks, cfg.batch)
     offsets = sampler.offsets
@@ -203,10 +233,26 @@ def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, l
                 rewards = np.concatenate(
                     [rewards, rewards_for(history.values, np.ones(len(history.values), bool),
                                        ref, best_before, cfg)])
-            history.add(actions[:n], values, feasible)
+            history.add(_canonical_tp1(sampler, actions[:n]) if canonical else actions[:n],
+                        values, feasible)
             maxp = _update(chunk, obs, actions, masks, rewards, offsets, cfg)
             if maxp.min() >= cfg.confidence:
                 break  # converged: early exit, re-initialise
+
+
+def _canonical_tp1(sampler: LegalSampler, actions: np.ndarray) -> np.ndarray:
+    """``actions`` with the op choices of every tp = 1 row replaced by Megatron's (for an
+    objective where op choices cost the same at tp = 1: the same strategy, one name)."""
+    space = sampler.space
+    if 1 not in space.values["tp"]:
+        return actions
+    t1 = space.values["tp"].index(1)
+    rows = actions[:, 0] == t1
+    if not rows.any():
+        return actions
+    out = actions.copy()
+    out[rows, len(DEGREE_COMPONENTS):] = megatron_op_choices(space, t1)
+    return out
 
 
 def _propose(logits: np.ndarray, sampler: LegalSampler, history: EliteHistory, n: int, rng,
@@ -227,10 +273,13 @@ def _propose(logits: np.ndarray, sampler: LegalSampler, history: EliteHistory, n
         parents = history.actions[rng.integers(0, len(history.actions), size=n_mut)]
         k = rng.integers(1, cfg.mutate_changes + 1, size=n_mut)
         kids = parents.copy()
+        factor = rng.random(n_mut) < cfg.factor_mix
         for c in range(1, cfg.mutate_changes + 1):
-            sel = k >= c
+            sel = (k >= c) & ~factor
             if sel.any():
                 kids[sel] = sampler.mutate(kids[sel], rng, 1)
+        if factor.any():
+            kids[factor] = sampler.factor_move(kids[factor], rng)
         if cfg.batch_follow > 0 and sampler.space.workload.phase == "decode":
             kids = _follow_batch(sampler, parents, kids, rng, cfg.batch_follow)
         parts.append(kids)
