@@ -46,3 +46,30 @@ def test_plot_search_curve_writes_a_png(tmp_path):
     plot_search_curve(path, {"rl": [(64, 1.0), (128, 3.0)], "sa": [(8, 2.0)]},
                       megatron=2.5, exact=3.0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rewrites_tables_and_keeps_hand_written_notes(tmp_path, monkeypatch):
+    """`shardc bench` end to end on one zoo case: JSON rows per policy, the markdown tables,
+    the plot; a second run replaces the tables but keeps the notes under NOTES_MARKER."""
+    import json
+
+    from shardc.cli import main
+    from shardc.commands.bench import NOTES_MARKER
+
+    monkeypatch.chdir(tmp_path.parent)
+    argv = ["bench", "--suite", "zoo", "--cases", "mixtral-8x7b 8x1 decode", "--seeds", "1",
+            "--budget", "128", "--policies", "rl,megatron", "--out", str(tmp_path),
+            "--json", str(tmp_path / "zoo.json")]
+    assert main(argv) == 0
+    md = tmp_path / "zoo.md"
+    first = md.read_text()
+    assert "Table 1 shape" in first and first.rstrip().endswith(NOTES_MARKER)
+    md.write_text(first.replace("mixtral-8x7b 8x1 decode", "STALE", 1) + "\nmy findings\n")
+    assert main(argv) == 0
+    second = md.read_text()
+    assert "STALE" not in second
+    assert second.endswith(NOTES_MARKER + "\n\nmy findings\n")
+    rows = json.loads((tmp_path / "zoo.json").read_text())["rows"]
+    assert {r["policy"] for r in rows} == {"rl", "megatron"}
+    assert (tmp_path / "zoo_search.png").stat().st_size > 1000
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left

@@ -6,7 +6,8 @@ read from the graph cache, :mod:`shardc.frontends.graph_cache`), the cost model,
 ``megatron`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
 ``benchmarks/<suite>.json``: ``{"rows": [{case, policy, seeds, mean, best, evaluations,
 wall_s}]}``, mean/best in tok/s/GPU over seeds, evaluations and wall_s per search), the
-markdown tables ``benchmarks/<suite>.md`` and ``benchmarks/<suite>_search.png`` (best-so-far
+markdown tables ``benchmarks/<suite>.md`` (notes written by hand below its ``NOTES_MARKER`` line
+survive a re-run) and ``benchmarks/<suite>_search.png`` (best-so-far
 curves of seed 0 on the first case).
 """
 
@@ -22,6 +23,7 @@ from shardc.errors import InputError
 HELP = "run the search benchmark suites (paper, zoo) and write tables under benchmarks/"
 SEEDED = ("rl", "sa", "rw", "ga")
 ALL_POLICIES = ("rl", "sa", "rw", "ga", "megatron", "exact")
+NOTES_MARKER = "<!-- hand-written notes below this line: shardc bench keeps them -->"
 
 
 def add_arguments(p) -> None:
@@ -171,19 +173,28 @@ def run(args) -> int:
         f"shardc bench --suite {args.suite} --budget {budget} --seeds {seeds}"
 
     def write(results: list[dict]) -> None:
-        """(Re)write the JSON, markdown and plot from the cases finished so far."""
+        """(Re)write the JSON, markdown and plot from the cases finished so far (atomically;
+        hand-written notes below :data:`NOTES_MARKER` in an existing markdown are kept)."""
+        from shardc.backends.reports import write_outputs
+
         rows = [r for res in results for r in res["rows"]]
-        jpath.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
         note = "" if len(results) == len(cases) else \
             f"Partial: {len(results)} of {len(cases)} cases finished."
-        (out / f"{args.suite}.md").write_text(markdown(args.suite, rows, cmd, note))
+        md_path = out / f"{args.suite}.md"
+        text = markdown(args.suite, rows, cmd, note)
+        kept = md_path.read_text().partition(NOTES_MARKER) if md_path.exists() else ("", "", "")
+        text = text.rstrip("\n") + "\n\n" + NOTES_MARKER + (kept[2] if kept[1] else "\n")
         first = results[0]
         by = {r["policy"]: r for r in first["rows"]}
-        plot_search_curve(out / f"{args.suite}_search.png",
-                          {p: c for p, c in first["curves"].items() if p in SEEDED},
-                          megatron=by.get("megatron", {}).get("best"),
-                          exact=by.get("exact", {}).get("best"),
-                          title=cases[0]["name"] + " (seed 0)")
+
+        def plot(path):
+            plot_search_curve(path, {p: c for p, c in first["curves"].items() if p in SEEDED},
+                              megatron=by.get("megatron", {}).get("best"),
+                              exact=by.get("exact", {}).get("best"),
+                              title=cases[0]["name"] + " (seed 0)")
+
+        write_outputs(out, {md_path.name: text, f"{args.suite}_search.png": plot})
+        write_outputs(jpath.parent, {jpath.name: json.dumps({"rows": rows}, indent=1) + "\n"})
 
     results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray, args.exact_limit,
                        on_case=write)
