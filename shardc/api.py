@@ -46,6 +46,17 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
 
     Raises InputError (bad input) or InfeasibleError (nothing fits; says what is short).
     """
+    return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
+                                budget, seed, progress, name)[0]
+
+
+def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
+                         hardware: str = "h100", workload: Workload | None = None,
+                         search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
+                         name: str | None = None):
+    """:func:`compile`, also returning the search pass's
+    :class:`~shardc.passes.search_pass.SearchOutcome` (annotated graph, cost model, curves),
+    which ``shardc compile`` needs for trace.json, graph.dot and search.png."""
     from shardc.passes.search_pass import search_pass
     from shardc.plan import build_plan
 
@@ -76,5 +87,4 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
     plan = build_plan(graph=outcome.graph, strategy=outcome.strategy, mesh=mesh,
                       hardware=hw.name, workload=workload, predicted=explanation.predicted,
                       baseline=baseline, search=search_info)
-    plan._outcome = outcome  # kept for the report files (trace.json, search.png); not saved
-    return plan
+    return plan, outcome

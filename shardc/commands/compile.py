@@ -92,14 +92,13 @@ def run(args) -> int:
     workload = workload_from_args(args)
     progress, bar = _progress_bar(args.budget, args.quiet)
     try:
-        plan = api.compile(str(model_path), mesh=args.mesh, hardware=args.hardware,
-                           workload=workload, search=args.search, budget=args.budget,
-                           seed=args.seed, progress=progress)
+        plan, outcome = api.compile_with_outcome(
+            str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
+            search=args.search, budget=args.budget, seed=args.seed, progress=progress)
     finally:
         if bar is not None:
             bar.close()
     out = Path(args.out) if args.out else Path("shardc_out") / plan.model["name"]
-    outcome = plan._outcome
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
