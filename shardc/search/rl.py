@@ -66,6 +66,9 @@ ds16 / ds32 = deepseek-v3 8x16 / 8x32): before l1 0.987 / 0.954, l2 0.967 / 0.92
 Megatron's 0.946), mx 0.998 / 0.998, ds16 0.998 / 0.969, ds32 0.991 / 0.961 (the stuck
 seeds sat at ep 4 pp 8 against the optimum's ep 8 pp 4); after l1 0.983 / 0.954, l2 0.965 /
 0.948, mx 0.998 / 0.998, ds16 and ds32 1.000 / 1.000 -- every seed at or above Megatron.
+Paper suite and zoo decode (seeds 0-9): every run at the exact optimum (1.6T 32k had two seeds
+at 0.986, tp 32 pp 2 against tp 16 pp 4). Synthetic toy (tests), seeds 0-7: 8/8 at the
+optimum (6/8 before).
 Factor moves alone at 0.25: ds 1.000 both but l1 0.978, l2 0.959; with the canonical elite
 at 0.25: l1 0.973, l2 0.964 (0.973 with one extra random change). Tried and not kept (all
 within seed noise on l1 / l2 / mx, about +-0.01): elite rows required to differ in value
