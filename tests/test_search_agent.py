@@ -157,10 +157,9 @@ def test_cost_model_op_choices_are_free_at_tp1(name, phase):
     from cost_graphs import fixture_graph
 
     from shardc.cost import CostModel
-    from shardc.ir.space import StrategySpace
+    from shardc.ir.space import StrategySpace, megatron_ops_at_tp1
     from shardc.ir.strategy import Mesh, Workload
     from shardc.search.objective import cost_model_objective
-    from shardc.search.rl import _canonical_tp1
 
     graph, mesh = fixture_graph(name), Mesh.parse("8x16")
     wl = Workload(phase=phase, tpot_slo_ms=1e4, ttft_slo_ms=1e5)  # memory/batch decide
@@ -174,7 +173,7 @@ def test_cost_model_op_choices_are_free_at_tp1(name, phase):
     acts[:, 2] = space.values["pp"].index(4)  # weights fit; batch divides the 4 micro-batches
     acts[:, 4] = rng.integers(2, 9, size=len(acts))
     acts = sampler.repair(acts, rng)
-    canon = _canonical_tp1(sampler, acts)
+    canon = megatron_ops_at_tp1(space, acts)
     assert not np.array_equal(canon, acts)
     v, f = objective(acts)
     v2, f2 = objective(canon)
@@ -185,13 +184,13 @@ def test_cost_model_op_choices_are_free_at_tp1(name, phase):
 def test_elite_stores_tp1_rows_canonically_only_for_objectives_that_allow_it(case):
     """With the cost-model objective, tp = 1 elite rows carry Megatron's op choices; the toy
     objective (op choices matter at tp = 1) keeps the evaluated rows as they were."""
-    from shardc.search.rl import _canonical_tp1
+    from shardc.ir.space import megatron_ops_at_tp1
 
     space, objective, _ = case
     sampler = LegalSampler(space)
     acts = sampler.sample(50, np.random.default_rng(3))
     acts[:, 0] = space.values["tp"].index(1)
-    canon = _canonical_tp1(sampler, acts)
+    canon = megatron_ops_at_tp1(space, acts)
     assert (canon[:, :5] == acts[:, :5]).all()
     assert (canon[:, 5:] == canon[0, 5:]).all()
     assert not getattr(objective, "op_choices_free_at_tp1", False)

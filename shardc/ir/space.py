@@ -190,3 +190,18 @@ def megatron_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
         c = MEGATRON_CHOICE[slot.split(".")[-1]]
         out[i] = c if mask[i, c] else 2
     return out
+
+
+def megatron_ops_at_tp1(space: StrategySpace, actions: np.ndarray) -> np.ndarray:
+    """``actions`` [B, A] with the op choices of every tp = 1 row set to Megatron's. At tp = 1
+    no op is split, so the cost model charges every choice the same (the same strategy under
+    one name); the other rows are returned unchanged (a copy only when something changes)."""
+    if 1 not in space.values["tp"]:
+        return actions
+    t1 = space.values["tp"].index(1)
+    rows = np.atleast_2d(actions)[:, 0] == t1
+    if not rows.any():
+        return actions
+    out = np.array(np.atleast_2d(actions), copy=True)
+    out[rows, len(DEGREE_COMPONENTS):] = megatron_op_choices(space, t1)
+    return out

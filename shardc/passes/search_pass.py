@@ -17,7 +17,7 @@ import numpy as np
 from shardc.cost import CostModel, min_gpus_needed
 from shardc.errors import InfeasibleError
 from shardc.ir.graph import Graph
-from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choices
+from shardc.ir.space import StrategySpace, megatron_ops_at_tp1
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
 from shardc.search import SearchResult, cost_model_objective, run_search
@@ -55,10 +55,9 @@ def _canonical_when_tp1(space, objective, action, value):
     """With tp = 1 every per-op choice costs the same; report Megatron's names (if the cost
     model agrees the value is unchanged) instead of whatever the searcher happened on."""
     action = np.asarray(action, dtype=np.int64).copy()
-    if space.values["tp"][int(action[0])] != 1:
+    alt = megatron_ops_at_tp1(space, action[None, :])[0]
+    if np.array_equal(alt, action):
         return action
-    alt = action.copy()
-    alt[len(DEGREE_COMPONENTS):] = megatron_op_choices(space, int(action[0]))
     alt_value, alt_ok = objective(alt[None, :])
     if bool(alt_ok[0]) and float(alt_value[0]) >= float(value) * (1 - 1e-12):
         return alt

@@ -49,11 +49,12 @@ class LegalSampler:
         self.max_n = int(self.nvec.max())
         self._factor_moves = self._factor_move_table(tp, ep, pp, world)
 
-    def _factor_move_table(self, tp, ep, pp, world) -> tuple[np.ndarray, np.ndarray]:
+    def _factor_move_table(self, tp, ep, pp, world) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Legal (tp, ep, pp) index triples and, per triple, the triples one *factor move*
         away: a prime factor p of one of tp, ep, pp, dp moved to another of them
         (e.g. ep 4 -> 8 with pp 8 -> 4, or tp 2 -> 4 with dp 4 -> 2). Returns
-        (triples [K, 3], adjacency [K, K] bool)."""
+        (triples [K, 3], adjacency [K, K] bool, row of each (tp, ep, pp) index triple in
+        ``triples`` or -1 [n_tp * n_ep * n_pp], indexed by the raveled triple)."""
         idx = np.argwhere(self.pp_mask)  # [K, 3] index triples that tile the mesh
         deg = np.stack([tp[idx[:, 0]], ep[idx[:, 1]], pp[idx[:, 2]]], axis=1)
         deg = np.concatenate([deg, world // deg.prod(axis=1, keepdims=True)], axis=1)  # + dp
@@ -66,19 +67,17 @@ class LegalSampler:
         factor = np.where(up, ratio, 1.0).prod(axis=2)
         prime = np.isin(np.round(factor).astype(np.int64), _primes_upto(world))
         adj = one_up & one_down & (same.sum(axis=2) == 2) & prime
-        return idx, adj
+        lookup = np.full(self.pp_mask.size, -1, dtype=np.int64)
+        lookup[np.ravel_multi_index(idx.T, self.pp_mask.shape)] = np.arange(len(idx))
+        return idx, adj, lookup
 
     def factor_move(self, actions: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Neighbours on the degree lattice: per row, (tp, ep, pp) replaced by a uniformly
         chosen triple one factor move away (:meth:`_factor_move_table`; rows without one are
         unchanged), then :meth:`repair` (op choices illegal at the new tp are redrawn)."""
         a = np.array(np.atleast_2d(actions), dtype=np.int64)
-        idx, adj = self._factor_moves
-        shape = np.array([self.nvec[TP], self.nvec[EP], self.nvec[PP]])
-        key = np.ravel_multi_index(idx.T, shape)
-        lookup = np.full(int(shape.prod()), -1, dtype=np.int64)
-        lookup[key] = np.arange(len(idx))
-        row = lookup[np.ravel_multi_index(a[:, [TP, EP, PP]].T, shape)]
+        idx, adj, lookup = self._factor_moves
+        row = lookup[np.ravel_multi_index(a[:, [TP, EP, PP]].T, self.pp_mask.shape)]
         ok = row >= 0
         if ok.any():
             cand = adj[row[ok]]

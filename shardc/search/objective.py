@@ -75,8 +75,9 @@ class CostModelObjective:
 
     ``op_choices_free_at_tp1``: with tp = 1 there is no tensor-parallel mesh dimension, so
     every per-op choice means the same placement (replicated) and costs the same; searchers
-    may store such strategies with any representative op choices (tests check the claim
-    on every example model)."""
+    may store such strategies with any representative op choices
+    (:func:`shardc.ir.space.megatron_ops_at_tp1`; tests check the claim on the Llama,
+    Mixtral, DeepSeek-V3 and GPT-MoE configurations, prefill and decode)."""
 
     op_choices_free_at_tp1 = True
 

@@ -124,7 +124,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardc.ir.space import DEGREE_COMPONENTS, megatron_op_choices
+from shardc.ir.space import DEGREE_COMPONENTS, megatron_ops_at_tp1
 from shardc.search.legal import LegalSampler
 from shardc.search.objective import Budget, BudgetExhausted
 from shardc.search.policy import EliteHistory, ElitePolicy, masked_log_probs, sample_masked
@@ -236,26 +236,11 @@ def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, l
                 rewards = np.concatenate(
                     [rewards, rewards_for(history.values, np.ones(len(history.values), bool),
                                        ref, best_before, cfg)])
-            history.add(_canonical_tp1(sampler, actions[:n]) if canonical else actions[:n],
+            history.add(megatron_ops_at_tp1(sampler.space, actions[:n]) if canonical else actions[:n],
                         values, feasible)
             maxp = _update(chunk, obs, actions, masks, rewards, offsets, cfg)
             if maxp.min() >= cfg.confidence:
                 break  # converged: early exit, re-initialise
-
-
-def _canonical_tp1(sampler: LegalSampler, actions: np.ndarray) -> np.ndarray:
-    """``actions`` with the op choices of every tp = 1 row replaced by Megatron's (for an
-    objective where op choices cost the same at tp = 1: the same strategy, one name)."""
-    space = sampler.space
-    if 1 not in space.values["tp"]:
-        return actions
-    t1 = space.values["tp"].index(1)
-    rows = actions[:, 0] == t1
-    if not rows.any():
-        return actions
-    out = actions.copy()
-    out[rows, len(DEGREE_COMPONENTS):] = megatron_op_choices(space, t1)
-    return out
 
 
 def _propose(logits: np.ndarray, sampler: LegalSampler, history: EliteHistory, n: int, rng,
