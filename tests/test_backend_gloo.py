@@ -2,7 +2,8 @@
 
 One multi-process launch (4 ranks) runs every case of the four tiny models (process
 start-up is the cost): the Megatron plan and non-Megatron strategies per model (DeepSeek-V3:
-MLA split by heads / batch / replicated, shared experts, EP), the emitted
+MLA split by heads / batch / replicated, shared experts, EP), incremental decoding with the
+model's KV cache (prompt prefill + cached one-token steps == one whole forward), the emitted
 ``parallelize.py`` imported and run by the workers, and a deliberately corrupted shard that
 must be caught. The 8-rank launch is marked slow.
 """
@@ -55,13 +56,17 @@ def llama_cases(code: str | None) -> list[Case]:
         Case("llama pp2 tp2", {"tp": 2, "pp": 2}, DENSE, L),
         Case("llama dp2 tp2 ffn1 row", {"tp": 2, "dp": 2}, _with(DENSE, D, ffn1="row"), L),
         Case("llama corrupted shard (must mismatch)", {"tp": 4}, DENSE, L, corrupt=True),
+        Case("llama megatron tp4, KV cache: prefill + 2 cached steps", {"tp": 4}, DENSE, L,
+             kv_cache=2),
+        Case("llama batch attention dp2 tp2, KV cache", {"tp": 2, "dp": 2},
+             _with(DENSE, D, qkv="row", attn_core="batch", out_proj="col"), L, kv_cache=2),
     ]
     if code:
         cases.append(Case("llama emitted parallelize.py", {}, {}, None, code=code))
     return cases
 
 
-def moe_cases(tag: str, code: str | None) -> list[Case]:
+def moe_cases(tag: str, code: str | None, kv_cache: bool = False) -> list[Case]:
     L = {M: [0, 1]}
     cases = [
         Case(f"{tag} megatron tp4", {"tp": 4}, MOE, L),
@@ -73,6 +78,8 @@ def moe_cases(tag: str, code: str | None) -> list[Case]:
              _with(MOE, M, expert_ffn1="row", router="row"), L),
         Case(f"{tag} pp2 ep2", {"pp": 2, "ep": 2}, MOE, L),
     ]
+    if kv_cache:  # HF models only (the GPT-MoE example model keeps no cache)
+        cases.append(Case(f"{tag} ep2 tp2, KV cache", {"ep": 2, "tp": 2}, MOE, L, kv_cache=2))
     if code:
         cases.append(Case(f"{tag} emitted parallelize.py", {}, {}, None, code=code))
     return cases
@@ -89,7 +96,9 @@ def deepseek_cases(code: str | None) -> list[Case]:
                   shared_ffn2="rep", router="col", expert_ffn2="col", embedding="hidden")
     cases = [Case("deepseek megatron tp4", {"tp": 4}, DS_MEGATRON, DS_LAYERS),
              Case("deepseek ep2 tp2: batch attention (row / rep MLA), shared rep, expert "
-                  "ffn2 hidden", {"ep": 2, "tp": 2}, other, DS_LAYERS)]
+                  "ffn2 hidden", {"ep": 2, "tp": 2}, other, DS_LAYERS),
+             Case("deepseek megatron tp4, KV cache (MLA)", {"tp": 4}, DS_MEGATRON, DS_LAYERS,
+                  kv_cache=2)]
     if code:
         cases.append(Case("deepseek emitted parallelize.py", {}, {}, None, code=code))
     return cases
@@ -175,13 +184,13 @@ def gloo_results(tmp_path_factory, verify_plan):
     ruff_clean([llama_code, mixtral_code, gpt_code, ds_code])
     scaled = dataclasses.replace(verify_plan[1], name=VERIFY_CASE)
     suites = [(LLAMA, llama_cases(llama_code) + [scaled]),
-              (MIXTRAL, moe_cases("mixtral", mixtral_code)),
+              (MIXTRAL, moe_cases("mixtral", mixtral_code, kv_cache=True)),
               (GPT_MOE, moe_cases("gpt_moe", gpt_code)), (DEEPSEEK, deepseek_cases(ds_code))]
     results = run_suites(suites, world=4)
     return {r["name"]: r for r in results}
 
 
-ALL_NAMES = ([c.name for c in llama_cases("x")] + [c.name for c in moe_cases("mixtral", "x")]
+ALL_NAMES = ([c.name for c in llama_cases("x")] + [c.name for c in moe_cases("mixtral", "x", kv_cache=True)]
              + [c.name for c in moe_cases("gpt_moe", "x")] + [c.name for c in deepseek_cases("x")]
              + [VERIFY_CASE])
 

@@ -106,4 +106,5 @@ def test_example_inference_script_generates_identical_tokens():
                            "--world", "2", "--tokens", "3", "--budget", "100"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(with the KV cache)" in proc.stdout
     assert "identical to the unsharded model" in proc.stdout

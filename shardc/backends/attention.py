@@ -8,9 +8,11 @@ These forwards compute the same maths (projections, rotary, causal scaled-dot-pr
 attention with grouped KV heads, output projection) but take every shape from the tensor at
 hand, so each placement the strategy walk leaves between the ops is handled.
 
-Supported: causal self-attention without padding masks and without a KV cache (the verify
-and serving-step setting). The projections are the model's own modules, so the hooks that
-place and redistribute their tensors run as usual.
+Supported: causal self-attention without padding masks, with or without the model's KV cache
+(HF families: ``past_key_values``, updated with this rank's local keys and values -- its heads
+or its rows, whichever the strategy gives it -- so each rank caches exactly what it attends
+over; a step's queries are the last positions of the cached sequence). The projections are
+the model's own modules, so the hooks that place and redistribute their tensors run as usual.
 """
 
 from __future__ import annotations
@@ -30,20 +32,37 @@ def _model_function(module, name: str):
     return fn
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+           cache=None, layer_idx: int | None = None) -> torch.Tensor:
+    """Causal scaled-dot-product attention of ``q`` [b, h, s_q, d] over ``k``/``v``
+    [b, h_kv, s, d]; with ``cache`` (an HF ``Cache``) the new keys and values are appended
+    first and the queries are the last ``s_q`` positions of the cached sequence."""
+    if cache is not None:
+        k, v = cache.update(k, v, layer_idx)
+    s_q, s_k = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if s_q == s_k:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=s_q > 1, scale=scale,
+                                              enable_gqa=gqa)
+    visible = torch.arange(s_k)[None, :] <= torch.arange(s_k - s_q, s_k)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                          enable_gqa=gqa)
+
+
 def install_attention(site: AttentionSite, family: str) -> None:
     mod = site.module
     if family == "hf":
         rotary = _model_function(mod, "apply_rotary_pos_emb")
         hd = int(mod.head_dim)
 
-        def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        def forward(hidden_states, position_embeddings=None, attention_mask=None,
+                    past_key_values=None, **kwargs):
             q, k, v = (proj(hidden_states) for proj, _ in site.qkv)
             b, s = q.shape[0], q.shape[1]
             q, k, v = (t.reshape(b, s, -1, hd).transpose(1, 2) for t in (q, k, v))
             cos, sin = position_embeddings
             q, k = rotary(q, k, cos, sin)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=mod.scaling,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
 
     elif family == "gpt_moe":
@@ -55,7 +74,7 @@ def install_attention(site: AttentionSite, family: str) -> None:
             b, s = qkv.shape[0], qkv.shape[1]
             q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, 3, -1, hd).unbind(dim=2))
             q, k = rotary(q, theta), rotary(k, theta)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
+            y = attend(q, k, v)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1))
 
     else:

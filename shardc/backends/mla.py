@@ -27,8 +27,8 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
+from shardc.backends.attention import attend
 from shardc.backends.models import AttentionSite
 from shardc.backends.runtime import ShardingRuntime
 
@@ -64,7 +64,8 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
     (q_b, _), (kv_b, _) = site.qkv
     o_proj = site.out[0]
 
-    def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    def forward(hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
         q = q_b(q_norm(q_a(hidden_states)))  # [b, s, local heads * (nope + rope)]
         b, s = q.shape[0], q.shape[1]
         q = q.reshape(b, s, -1, nope + rope).transpose(1, 2)
@@ -83,7 +84,7 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
             q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=mod.scaling)
+        y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx)
         return o_proj(y.transpose(1, 2).reshape(b, s, -1)), None
 
     mod.forward = forward

@@ -33,6 +33,7 @@ class Case:
 
     code: str | None = None  # path of a parallelize.py to run instead of apply()
     corrupt: bool = False  # perturb one local shard after sharding (checks the checker)
+    kv_cache: int = 0  # >0: run the prompt minus its last N tokens, then N cached steps
 
     def strategy(self) -> Strategy:
         from shardc.backends.apply import strategy_from_names
@@ -79,7 +80,8 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                     if case.corrupt and rank == 0:
                         _perturb(sharded)
                     with torch.no_grad():
-                        out = sharded(ids)
+                        out = _cached_logits(sharded, ids, case.kv_cache) if case.kv_cache \
+                            else sharded(ids)
                     if out is not None:
                         out = _logits(out)
                         res["rel_err"] = float((out - ref).abs().max() / ref.abs().max())
@@ -140,6 +142,21 @@ def _build(model_ref: str, batch: int, seq: int):
 def _vocab(model) -> int:
     cfg = model.config
     return int(getattr(cfg, "vocab_size"))
+
+
+def _cached_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor | None:
+    """Logits of ``ids`` computed as a prefill of all but the last ``steps`` tokens, then
+    ``steps`` one-token forwards reusing the model's KV cache (``past_key_values``); equal to
+    one whole-sequence forward when the cache is right. None on ranks that hold no logits."""
+    out = model(ids[:, :-steps], use_cache=True)
+    if out is None:
+        return None
+    parts, cache = [_logits(out)], out.past_key_values
+    for t in range(ids.shape[1] - steps, ids.shape[1]):
+        out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        parts.append(_logits(out))
+        cache = out.past_key_values
+    return torch.cat(parts, dim=1)
 
 
 def _logits(out) -> torch.Tensor:
