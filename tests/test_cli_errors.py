@@ -158,3 +158,14 @@ def test_no_traceback_from_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_out_folder_that_cannot_be_written_exits_2(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    code, err = run_cli(capsys, "compile", TINY, "--mesh", "4x1", "--search", "megatron",
+                        "--budget", "50", "--out", str(blocker / "out"))
+    assert code == 2
+    assert_one_line(err)
+    assert "cannot write outputs there" in err and str(blocker / "out") in err
+    assert blocker.read_text() == "not a folder"

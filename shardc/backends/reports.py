@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from shardc.errors import InputError
+
 
 def graph_table(nodes: list[dict]) -> str:
     """graph.txt: one row per IR node: node, op, shape, placements, collective inserted."""
@@ -50,11 +52,15 @@ def write_outputs(out_dir: str | Path, files: dict[str, object]) -> list[Path]:
     """Write ``{filename: str | bytes | dict | callable(path)}`` atomically into ``out_dir``.
 
     A dict is written as JSON; a callable is called with the temp path to write the file
-    itself (e.g. matplotlib's savefig). Returns the final paths.
+    itself (e.g. matplotlib's savefig). Returns the final paths. An output folder that cannot
+    be created or written is bad input (:class:`~shardc.errors.InputError`, exit 2).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".shardc-tmp-", dir=out))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".shardc-tmp-", dir=out))
+    except OSError as e:
+        raise InputError(f"{out}: cannot write outputs there ({e.strerror or e})") from None
     try:
         for name, content in files.items():
             p = tmp / name
