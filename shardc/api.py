@@ -64,6 +64,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         raise InputError(f"--search {search!r}: expected one of {', '.join(SEARCH_POLICIES)}")
     if int(budget) < 1:
         raise InputError("--budget must be a positive number of evaluations")
+    if int(seed) < 0:
+        raise InputError(f"--seed {seed}: expected a non-negative integer")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
     workload = workload or Workload()
     hw = load_hardware(hardware)

@@ -169,3 +169,12 @@ def test_out_folder_that_cannot_be_written_exits_2(capsys, tmp_path):
     assert_one_line(err)
     assert "cannot write outputs there" in err and str(blocker / "out") in err
     assert blocker.read_text() == "not a folder"
+
+
+def test_negative_seed_is_bad_input(capsys, tmp_path):
+    code, err = run_cli(capsys, "compile", TINY, "--mesh", "4x1", "--seed", "-1",
+                        "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert_one_line(err)
+    assert "--seed -1: expected a non-negative integer" in err
+    assert not (tmp_path / "o").exists()
