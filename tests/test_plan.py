@@ -126,3 +126,15 @@ def test_verify_reports_mismatch_in_one_line(mixtral, tmp_path, monkeypatch, cap
 
 
 # shardc verify's scaled run of a big-mesh plan: tests/test_backend_gloo.py (same launch)
+
+
+def test_verify_refuses_a_plan_made_for_another_layer_structure(mixtral, tmp_path, capsys):
+    """A Mixtral (MoE) plan checked against tiny Llama (dense layers): exit 2, one line."""
+    from shardc.cli import main
+
+    make_plan(mixtral[0], tp=2).save(tmp_path / "plan.json")
+    rc = main(["verify", str(ROOT / "examples" / "tiny_llama.py"), "--plan",
+               str(tmp_path / "plan.json"), "--world", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "plan layer kinds ['moe_block'] do not match the tiny model's layers" in err[0]

@@ -103,7 +103,7 @@ def _tiny_layer_kinds(model, plan) -> dict[str, list[int]]:
     kinds: dict[str, list[int]] = {}
     for i, k in inferred.items():
         if k not in names:
-            if len(names) != 1:
+            if len(names) != 1 or not names[0].startswith(k):  # dense vs MoE never mix
                 raise InputError(f"plan layer kinds {names} do not match the tiny model's "
                                  f"layers ({sorted(set(inferred.values()))})")
             k = names[0]
