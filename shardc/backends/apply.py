@@ -129,7 +129,7 @@ class ModelSharder:
             rt.place_module_params(mod, pre)
         rt.hook_chain([[m for m, _ in att.qkv], [], [att.out[0]]], steps, rt.residual,
                       unfuse=[att.fused, 1, 1])
-        install_attention(att, self.adapter.family)
+        install_attention(att, self.adapter.family, self.rt)
 
     def mlp(self, layer: int) -> None:
         """Dense ffn1 -> ffn2, or the MoE block (router, ep dispatch, experts, combine)."""

@@ -8,8 +8,8 @@ These forwards compute the same maths (projections, rotary, causal scaled-dot-pr
 attention with grouped KV heads, output projection) but take every shape from the tensor at
 hand, so each placement the strategy walk leaves between the ops is handled.
 
-Supported: causal self-attention without padding masks, with or without the model's KV cache
-(HF families: ``past_key_values``, updated with this rank's local keys and values -- its heads
+Supported: causal self-attention, with a 2-D padding mask on the model's input and the
+model's KV cache when given (HF families: ``past_key_values``, updated with this rank's local keys and values -- its heads
 or its rows, whichever the strategy gives it -- so each rank caches exactly what it attends
 over; a step's queries are the last positions of the cached sequence). The projections are
 the model's own modules, so the hooks that place and redistribute their tensors run as usual.
@@ -33,23 +33,33 @@ def _model_function(module, name: str):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-           cache=None, layer_idx: int | None = None) -> torch.Tensor:
+           cache=None, layer_idx: int | None = None, rt=None) -> torch.Tensor:
     """Causal scaled-dot-product attention of ``q`` [b, h, s_q, d] over ``k``/``v``
     [b, h_kv, s, d]; with ``cache`` (an HF ``Cache``) the new keys and values are appended
-    first and the queries are the last ``s_q`` positions of the cached sequence."""
+    first and the queries are the last ``s_q`` positions of the cached sequence. Padding:
+    ``rt.padding_mask`` (the model input's [B, s] 0/1 mask for the rows this rank holds at
+    the model level, recorded by :func:`shardc.backends.pipeline.install_batch_io`) hides
+    padded keys; when attention splits those rows further over tp, this rank's chunk of
+    them is taken. The model's own 4-D mask is not used: under sequence parallelism it is
+    built from a sequence shard."""
     if cache is not None:
         k, v = cache.update(k, v, layer_idx)
     s_q, s_k = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if s_q == s_k:
+    keys = getattr(rt, "padding_mask", None)
+    if keys is None and s_q == s_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=s_q > 1, scale=scale,
                                               enable_gqa=gqa)
     visible = torch.arange(s_k)[None, :] <= torch.arange(s_k - s_q, s_k)[:, None]
+    if keys is not None:
+        if keys.shape[0] != q.shape[0]:
+            keys = keys.chunk(keys.shape[0] // q.shape[0], dim=0)[rt.mesh.get_local_rank("tp")]
+        visible = visible[None, None] & keys[:, None, None, :s_k].bool()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
                                           enable_gqa=gqa)
 
 
-def install_attention(site: AttentionSite, family: str) -> None:
+def install_attention(site: AttentionSite, family: str, rt=None) -> None:
     mod = site.module
     if family == "hf":
         rotary = _model_function(mod, "apply_rotary_pos_emb")
@@ -62,7 +72,7 @@ def install_attention(site: AttentionSite, family: str) -> None:
             q, k, v = (t.reshape(b, s, -1, hd).transpose(1, 2) for t in (q, k, v))
             cos, sin = position_embeddings
             q, k = rotary(q, k, cos, sin)
-            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx)
+            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
 
     elif family == "gpt_moe":

@@ -84,7 +84,7 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
             q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
-        y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx)
+        y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)
         return o_proj(y.transpose(1, 2).reshape(b, s, -1)), None
 
     mod.forward = forward

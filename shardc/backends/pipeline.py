@@ -46,19 +46,31 @@ def gather_batch(y: torch.Tensor, rt) -> torch.Tensor:
     return rt.wrap(y.contiguous(), "R").full_tensor()
 
 
+BATCHED_KWARGS = ("input_ids", "attention_mask", "position_ids")  # [batch, ...] model inputs
+
+
 def install_batch_io(model: nn.Module, rt) -> None:
-    """Slice the global batch on the way in, gather the logits on the way out."""
-    if _batch_split(rt)[0] == 1:
-        return
+    """Slice the global batch on the way in (``input_ids`` and a padding ``attention_mask``
+    or ``position_ids`` with it), gather the logits on the way out. The (sliced) padding
+    mask is kept on ``rt.padding_mask`` for the sharded attention (None without one)."""
+    split = _batch_split(rt)[0] > 1
 
     def pre(mod, args, kwargs):
-        if args:
-            return (local_batch(args[0], rt), *args[1:]), kwargs
-        kwargs = dict(kwargs)
-        kwargs["input_ids"] = local_batch(kwargs["input_ids"], rt)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("shardc's sharded attention takes a 2-D [batch, seq] padding "
+                             f"attention_mask, got {mask.dim()}-D")
+        if split:
+            kwargs = {k: local_batch(v, rt) if k in BATCHED_KWARGS and v is not None else v
+                      for k, v in kwargs.items()}
+            if args:
+                args = (local_batch(args[0], rt), *args[1:])
+        rt.padding_mask = kwargs.get("attention_mask")
         return args, kwargs
 
     def post(mod, args, kwargs, out):
+        if not split:
+            return out
         if isinstance(out, torch.Tensor):
             return gather_batch(out, rt)
         out.logits = gather_batch(out.logits, rt)

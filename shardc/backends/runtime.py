@@ -84,6 +84,7 @@ class ShardingRuntime:
             self.mesh = world_mesh if tuple(world_mesh.mesh_dim_names) == tuple(self.dims) \
                 else world_mesh[tuple(self.dims) if len(self.dims) > 1 else self.dims[0]]
         self.placed: dict[str, list[str]] = {}
+        self.padding_mask: torch.Tensor | None = None  # this forward's [rows, seq] 0/1 mask
 
     # ------------------------------------------------------------------ placements
     def placements(self, tp: str, ndim: int, kind: str = "act") -> list:

@@ -34,6 +34,7 @@ class Case:
     code: str | None = None  # path of a parallelize.py to run instead of apply()
     corrupt: bool = False  # perturb one local shard after sharding (checks the checker)
     kv_cache: int = 0  # >0: run the prompt minus its last N tokens, then N cached steps
+    padded: bool = False  # right-pad every other sequence (a padding attention_mask)
 
     def strategy(self) -> Strategy:
         from shardc.backends.apply import strategy_from_names
@@ -66,6 +67,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
             model, ids = _build(model_ref, batch, seq)
             with torch.no_grad():
                 ref = _logits(model(ids))
+            ref_padded = None
             build_s = time.perf_counter() - t0
             for c in cases:
                 case = Case(**c)
@@ -79,13 +81,22 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                         sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds)
                     if case.corrupt and rank == 0:
                         _perturb(sharded)
+                    expect = ref
                     with torch.no_grad():
-                        out = _cached_logits(sharded, ids, case.kv_cache) if case.kv_cache \
-                            else sharded(ids)
+                        if case.padded:
+                            mask = padding_mask(ids)
+                            if ref_padded is None:
+                                ref_padded = _logits(model(ids, attention_mask=mask))
+                            expect = ref_padded
+                            out = sharded(ids, attention_mask=mask)
+                        elif case.kv_cache:
+                            out = _cached_logits(sharded, ids, case.kv_cache)
+                        else:
+                            out = sharded(ids)
                     if out is not None:
                         out = _logits(out)
-                        res["rel_err"] = float((out - ref).abs().max() / ref.abs().max())
-                        res["shape_ok"] = list(out.shape) == list(ref.shape)
+                        res["rel_err"] = float((out - expect).abs().max() / expect.abs().max())
+                        res["shape_ok"] = list(out.shape) == list(expect.shape)
                 except Exception as e:  # reported per case; the other cases still run
                     res["error"] = f"{type(e).__name__}: {e}"
                     if os.environ.get("SHARDC_DEBUG"):
@@ -142,6 +153,15 @@ def _build(model_ref: str, batch: int, seq: int):
 def _vocab(model) -> int:
     cfg = model.config
     return int(getattr(cfg, "vocab_size"))
+
+
+def padding_mask(ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] 0/1 attention mask: every other sequence right-padded to about half its
+    length (the pad positions still get logits; right padding keeps every query row with at
+    least one visible key)."""
+    mask = torch.ones_like(ids)
+    mask[1::2, ids.shape[1] // 2 + 1:] = 0
+    return mask
 
 
 def _cached_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor | None:
