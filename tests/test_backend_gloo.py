@@ -3,8 +3,8 @@
 One multi-process launch (4 ranks) runs every case of the four tiny models (process
 start-up is the cost): the Megatron plan and non-Megatron strategies per model (DeepSeek-V3:
 MLA split by heads / batch / replicated, shared experts, EP), incremental decoding with the
-model's KV cache (prompt prefill + cached one-token steps == one whole forward), right-padded
-batches with a padding mask, the emitted
+model's KV cache (prompt prefill + cached one-token steps == one whole forward), left- and
+right-padded batches with a padding mask (real tokens' logits compared), the emitted
 ``parallelize.py`` imported and run by the workers, and a deliberately corrupted shard that
 must be caught. The 8-rank launch is marked slow.
 """
@@ -62,8 +62,10 @@ def llama_cases(code: str | None) -> list[Case]:
         Case("llama batch attention dp2 tp2, KV cache", {"tp": 2, "dp": 2},
              _with(DENSE, D, qkv="row", attn_core="batch", out_proj="col"), L, kv_cache=2),
         Case("llama batch attention dp2 tp2, padding mask", {"tp": 2, "dp": 2},
-             _with(DENSE, D, qkv="row", attn_core="batch", out_proj="col"), L, padded=True),
-        Case("llama megatron+sp tp4, padding mask", {"tp": 4, "sp": 4}, DENSE, L, padded=True),
+             _with(DENSE, D, qkv="row", attn_core="batch", out_proj="col"), L, padded="right"),
+        Case("llama megatron+sp tp4, padding mask", {"tp": 4, "sp": 4}, DENSE, L, padded="right"),
+        Case("llama batch attention dp2 tp2, left padding", {"tp": 2, "dp": 2},
+             _with(DENSE, D, qkv="row", attn_core="batch", out_proj="col"), L, padded="left"),
     ]
     if code:
         cases.append(Case("llama emitted parallelize.py", {}, {}, None, code=code))
@@ -84,7 +86,7 @@ def moe_cases(tag: str, code: str | None, kv_cache: bool = False) -> list[Case]:
     ]
     if kv_cache:  # HF models only (the GPT-MoE example model keeps no cache, takes no mask)
         cases += [Case(f"{tag} ep2 tp2, KV cache", {"ep": 2, "tp": 2}, MOE, L, kv_cache=2),
-                  Case(f"{tag} ep2 tp2, padding mask", {"ep": 2, "tp": 2}, MOE, L, padded=True)]
+                  Case(f"{tag} ep2 tp2, padding mask", {"ep": 2, "tp": 2}, MOE, L, padded="right")]
     if code:
         cases.append(Case(f"{tag} emitted parallelize.py", {}, {}, None, code=code))
     return cases
@@ -105,7 +107,7 @@ def deepseek_cases(code: str | None) -> list[Case]:
              Case("deepseek megatron tp4, KV cache (MLA)", {"tp": 4}, DS_MEGATRON, DS_LAYERS,
                   kv_cache=2),
              Case("deepseek ep2 tp2 batch attention, padding mask", {"ep": 2, "tp": 2}, other,
-                  DS_LAYERS, padded=True)]
+                  DS_LAYERS, padded="right")]
     if code:
         cases.append(Case("deepseek emitted parallelize.py", {}, {}, None, code=code))
     return cases

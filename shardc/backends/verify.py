@@ -34,7 +34,7 @@ class Case:
     code: str | None = None  # path of a parallelize.py to run instead of apply()
     corrupt: bool = False  # perturb one local shard after sharding (checks the checker)
     kv_cache: int = 0  # >0: run the prompt minus its last N tokens, then N cached steps
-    padded: bool = False  # right-pad every other sequence (a padding attention_mask)
+    padded: str = ""  # "right" / "left": pad every other sequence (a padding attention_mask)
 
     def strategy(self) -> Strategy:
         from shardc.backends.apply import strategy_from_names
@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
             model, ids = _build(model_ref, batch, seq)
             with torch.no_grad():
                 ref = _logits(model(ids))
-            ref_padded = None
+            ref_padded: dict[str, torch.Tensor] = {}  # side -> unsharded padded logits
             build_s = time.perf_counter() - t0
             for c in cases:
                 case = Case(**c)
@@ -84,10 +84,10 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                     expect = ref
                     with torch.no_grad():
                         if case.padded:
-                            mask = padding_mask(ids)
-                            if ref_padded is None:
-                                ref_padded = _logits(model(ids, attention_mask=mask))
-                            expect = ref_padded
+                            mask = padding_mask(ids, case.padded)
+                            if case.padded not in ref_padded:
+                                ref_padded[case.padded] = _logits(model(ids, attention_mask=mask))
+                            expect = ref_padded[case.padded]
                             out = sharded(ids, attention_mask=mask)
                         elif case.kv_cache:
                             out = _cached_logits(sharded, ids, case.kv_cache)
@@ -95,8 +95,11 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                             out = sharded(ids)
                     if out is not None:
                         out = _logits(out)
-                        res["rel_err"] = float((out - expect).abs().max() / expect.abs().max())
                         res["shape_ok"] = list(out.shape) == list(expect.shape)
+                        if case.padded:  # the logits of real tokens (pad positions are unread)
+                            keep = mask.bool()
+                            out, expect = out[keep], expect[keep]
+                        res["rel_err"] = float((out - expect).abs().max() / expect.abs().max())
                 except Exception as e:  # reported per case; the other cases still run
                     res["error"] = f"{type(e).__name__}: {e}"
                     if os.environ.get("SHARDC_DEBUG"):
@@ -155,12 +158,15 @@ def _vocab(model) -> int:
     return int(getattr(cfg, "vocab_size"))
 
 
-def padding_mask(ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] 0/1 attention mask: every other sequence right-padded to about half its
-    length (the pad positions still get logits; right padding keeps every query row with at
-    least one visible key)."""
+def padding_mask(ids: torch.Tensor, side: str = "right") -> torch.Tensor:
+    """[batch, seq] 0/1 attention mask: every other sequence padded on ``side`` to about half
+    its length (only the real tokens' logits are compared)."""
     mask = torch.ones_like(ids)
-    mask[1::2, ids.shape[1] // 2 + 1:] = 0
+    half = ids.shape[1] // 2
+    if side == "left":
+        mask[1::2, :half - 1] = 0
+    else:
+        mask[1::2, half + 1:] = 0
     return mask
 
 
