@@ -6,8 +6,9 @@
    RL agent and saves ``plan.json``;
 2. ``<world>`` CPU processes join a gloo process group; each loads the plan and calls
    ``plan.apply(model)``, which turns every parameter into a DTensor on the plan's mesh;
-3. every rank greedily generates ``--tokens`` tokens for a batch of prompts (the batch is split
-   over the plan's dp/ep ranks and gathered back), prefilling the prompts once and then
+3. every rank greedily generates ``--tokens`` tokens for a batch of prompts of 3-6 tokens,
+   left-padded with a padding mask (the batch is split over the plan's dp/ep ranks and
+   gathered back), prefilling the prompts once and then
    decoding one token per step with the model's KV cache (each rank caches its own heads or
    rows), and rank 0 checks them against the same generation on the unsharded model.
 
@@ -33,18 +34,24 @@ import shardc
 HERE = Path(__file__).resolve().parent
 
 
-def greedy_generate(model, prompt_ids: torch.Tensor, new_tokens: int,
-                    kv_cache: bool = True) -> torch.Tensor:
-    """Append ``new_tokens`` argmax tokens to each prompt: with ``kv_cache`` a prefill of the
-    prompt then one-token steps that reuse the model's cache (``past_key_values``), without
-    it every step re-runs the whole prefix."""
-    ids, step, cache = prompt_ids, prompt_ids, None
+def greedy_generate(model, prompt_ids: torch.Tensor, new_tokens: int, kv_cache: bool = True,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Append ``new_tokens`` argmax tokens to each (left-padded) prompt: with ``kv_cache`` a
+    prefill of the prompts then one-token steps that reuse the model's cache
+    (``past_key_values``), without it every step re-runs the whole prefix. ``attention_mask``
+    [batch, prompt] marks the real prompt tokens (1) and the padding (0)."""
+    ids, step, cache, mask = prompt_ids, prompt_ids, None, attention_mask
     for _ in range(new_tokens):
         with torch.no_grad():
-            out = model(step, past_key_values=cache, use_cache=True) if kv_cache else model(ids)
+            if kv_cache:
+                out = model(step, attention_mask=mask, past_key_values=cache, use_cache=True)
+            else:
+                out = model(ids, attention_mask=mask)
         logits = out.logits if hasattr(out, "logits") else out
         next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
         step, cache = (next_id, out.past_key_values) if kv_cache else (ids, None)
     return ids[:, prompt_ids.shape[1]:]
 
@@ -61,13 +68,18 @@ def _worker(rank: int, world: int, port: int, model_file: str, plan_path: str, b
         reference, _ = source.build(tiny=True)
         model, _ = source.build(tiny=True)
         vocab = reference.config.vocab_size if hasattr(reference, "config") else 256
-        prompts = torch.randint(0, vocab, (batch, 6), generator=torch.Generator().manual_seed(1))
+        gen = torch.Generator().manual_seed(1)
+        prompts = torch.randint(0, vocab, (batch, 6), generator=gen)
+        lengths = torch.randint(3, 7, (batch,), generator=gen)  # prompts of 3-6 tokens,
+        mask = (torch.arange(6)[None, :] >= 6 - lengths[:, None]).long()  # left-padded to 6
         plan = shardc.load_plan(plan_path)
-        # HF models keep a KV cache; the pipelined (pp > 1) forward takes none
+        # HF models take a KV cache and a padding mask; GPT-MoE and the pipelined (pp > 1)
+        # forward take neither (their prompts are then unpadded)
         kv_cache = hasattr(reference, "config") and plan.degrees.get("pp", 1) == 1
-        expected = greedy_generate(reference, prompts, tokens, kv_cache)
+        mask = mask if kv_cache else None
+        expected = greedy_generate(reference, prompts, tokens, kv_cache, mask)
         sharded = plan.apply(model)
-        got = greedy_generate(sharded, prompts, tokens, kv_cache)
+        got = greedy_generate(sharded, prompts, tokens, kv_cache, mask)
         if rank == 0:
             Path(result_path).write_text(json.dumps({
                 "degrees": plan.degrees, "kv_cache": kv_cache, "expected": expected.tolist(),
