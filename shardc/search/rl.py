@@ -74,7 +74,10 @@ at 0.25: l1 0.973, l2 0.964 (0.973 with one extra random change). Tried and not 
 within seed noise on l1 / l2 / mx, about +-0.01): elite rows required to differ in value
 (l2 0.963 on 6 seeds), T = 5 or 8 (l2 0.974 / 0.978), neighbours drawn from the best 16 or
 32 distinct strategies (l2 0.978 / 0.968), two or three independent elite histories for
-half the budget then merged (l2 0.972), op heads conditioned on the sampled tp (l2 0.975).
+half the budget then merged (l2 0.972), op heads conditioned on the sampled tp (l2 0.975);
+on top of the defaults (seeds 0-15, l1 / l2 / mx): half the neighbours' parents taken from
+an archive of the best strategy per degree tuple, top 8 or 16 tuples, 0.987 / 0.979 / 0.998
+and 0.990 / 0.973 / 0.998; half from the last batch's 4 best samples, 0.976 / 0.961 / 0.998.
 The llama prefill optimum (tp 4, attention replicated over the tp group with sequence
 parallelism, FFN Megatron-split, pp 1, batch 8) sits next to infeasible points (the same
 with batch 16, or with the FFN replicated, does not fit) and differs from the second-best
