@@ -112,7 +112,11 @@ class PipelinedModel(nn.Module):
             self._schedules[key] = ScheduleGPipe(stage, n_microbatches=1)
         return self._schedules[key]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor | None:
+        given = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+        if given:
+            raise ValueError(f"a pipelined model (pp={self.num_stages}) runs whole sequences "
+                             f"without padding: it takes no {', '.join(given)}")
         ids = local_batch(input_ids, self.rt)
         sched = self._schedule(ids.shape[0], ids.shape[1], ids.device)
         if self.stage_index == 0:
