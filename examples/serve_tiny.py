@@ -73,10 +73,11 @@ def _worker(rank: int, world: int, port: int, model_file: str, plan_path: str, b
         lengths = torch.randint(3, 7, (batch,), generator=gen)  # prompts of 3-6 tokens,
         mask = (torch.arange(6)[None, :] >= 6 - lengths[:, None]).long()  # left-padded to 6
         plan = shardc.load_plan(plan_path)
-        # HF models take a KV cache and a padding mask; GPT-MoE and the pipelined (pp > 1)
-        # forward take neither (their prompts are then unpadded)
-        kv_cache = hasattr(reference, "config") and plan.degrees.get("pp", 1) == 1
-        mask = mask if kv_cache else None
+        # HF models take a padding mask, and a KV cache unless pipelined (pp > 1); GPT-MoE
+        # takes neither (its prompts are then unpadded)
+        hf = hasattr(reference, "config")
+        kv_cache = hf and plan.degrees.get("pp", 1) == 1
+        mask = mask if hf else None
         expected = greedy_generate(reference, prompts, tokens, kv_cache, mask)
         sharded = plan.apply(model)
         got = greedy_generate(sharded, prompts, tokens, kv_cache, mask)

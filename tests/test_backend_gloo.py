@@ -55,8 +55,9 @@ def llama_cases(code: str | None) -> list[Case]:
                    lm_head="row"), L),
         Case("llama megatron+sp tp4", {"tp": 4, "sp": 4}, DENSE, L),
         Case("llama pp2 tp2", {"tp": 2, "pp": 2}, DENSE, L),
-        Case("llama pp2 tp2 with a padding mask (refused)", {"tp": 2, "pp": 2}, DENSE, L,
-             padded="right"),
+        Case("llama pp2 tp2, left padding", {"tp": 2, "pp": 2}, DENSE, L, padded="left"),
+        Case("llama pp2 tp2 with a KV cache (refused)", {"tp": 2, "pp": 2}, DENSE, L,
+             kv_cache=2),
         Case("llama dp2 tp2 ffn1 row", {"tp": 2, "dp": 2}, _with(DENSE, D, ffn1="row"), L),
         Case("llama corrupted shard (must mismatch)", {"tp": 4}, DENSE, L, corrupt=True),
         Case("llama megatron tp4, KV cache: prefill + 2 cached steps", {"tp": 4}, DENSE, L,
@@ -213,7 +214,7 @@ def test_logits_match_unsharded(gloo_results, name):
         assert r["error"] is None and r["rel_err"] > 10 * TOL, r
         return
     if "(refused)" in name:
-        assert "runs whole sequences without padding: it takes no attention_mask" in r["error"]
+        assert "runs whole sequences: it takes no use_cache" in r["error"]
         return
     assert r["error"] is None, r["error"]
     assert r["rel_err"] <= TOL, r

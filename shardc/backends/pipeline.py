@@ -112,11 +112,19 @@ class PipelinedModel(nn.Module):
             self._schedules[key] = ScheduleGPipe(stage, n_microbatches=1)
         return self._schedules[key]
 
-    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor | None:
+        """Logits [batch, seq, vocab] on the last stage (None elsewhere) of whole sequences;
+        ``attention_mask``: an optional 2-D [batch, seq] padding mask. No KV cache."""
         given = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if given:
-            raise ValueError(f"a pipelined model (pp={self.num_stages}) runs whole sequences "
-                             f"without padding: it takes no {', '.join(given)}")
+            raise ValueError(f"a pipelined model (pp={self.num_stages}) runs whole sequences: "
+                             f"it takes no {', '.join(given)}")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("shardc's sharded attention takes a 2-D [batch, seq] padding "
+                             f"attention_mask, got {attention_mask.dim()}-D")
+        self.rt.padding_mask = None if attention_mask is None \
+            else local_batch(attention_mask, self.rt)  # every stage's attention reads it
         ids = local_batch(input_ids, self.rt)
         sched = self._schedule(ids.shape[0], ids.shape[1], ids.device)
         if self.stage_index == 0:
