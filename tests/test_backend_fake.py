@@ -111,6 +111,29 @@ def _trace_short(module_name: str, layers: int):
     return graph_from_module(model, ids, name=module_name)
 
 
+def _placement_name(pl) -> str:
+    if pl.is_replicate():
+        return "R"
+    if pl.is_shard():
+        return f"S({pl.dim})"
+    return "P"
+
+
+def check_placed_params(model, expected: dict) -> int:
+    """Every parameter of stage 0 is a DTensor with the local shape and the placements
+    ``param_plan`` gives it (``expected``: fqn -> row); returns how many were checked."""
+    checked = 0
+    for name, p in model.named_parameters():
+        row = expected[name]
+        if row["stage"] != 0:
+            continue
+        assert isinstance(p, DTensor), name
+        assert list(p.to_local().shape) == row["local_shape"], name
+        assert [_placement_name(x) for x in p.placements] == row["placements"], name
+        checked += 1
+    return checked
+
+
 def _expected_counts(graph, strategy, mesh: str, kind: str, modules_per_op: dict) -> Counter:
     from shardc.cost import CostModel
 
@@ -184,16 +207,7 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
     adapter = adapter_for(model)
 
     # every parameter of this rank's stage is a DTensor with the planned local shape
-    checked = 0
-    for name, p in model.named_parameters():
-        row = expected[name]
-        if row["stage"] != 0:
-            continue
-        assert isinstance(p, DTensor), name
-        assert list(p.to_local().shape) == row["local_shape"], name
-        assert [str(x) for x in row["placements"]] == row["placements"]
-        checked += 1
-    assert checked > 0
+    assert check_placed_params(model, expected) > 0
     if degrees.get("pp", 1) > 1:
         assert type(sharded).__name__ == "PipelinedModel"
 
@@ -263,15 +277,7 @@ def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
     expected = {r["fqn"]: r for r in param_plan(params, strategy, kinds)}
     apply(model, strategy)
 
-    checked = 0
-    for name, p in model.named_parameters():
-        row = expected[name]
-        if row["stage"] != 0:
-            continue
-        assert isinstance(p, DTensor), name
-        assert list(p.to_local().shape) == row["local_shape"], name
-        checked += 1
-    assert checked > 100
+    assert check_placed_params(model, expected) > 100
     qb = expected["model.layers.3.self_attn.q_b_proj.weight"]
     assert qb["local_shape"] == ([128 * 192 // 8, 1536] if overrides.get("qkv") != "row"
                                  else [128 * 192, 1536 // 8])
