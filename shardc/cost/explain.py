@@ -15,7 +15,7 @@ import numpy as np
 
 from shardc.cost.branch_tables import MODES
 from shardc.cost.collectives import COLLECTIVE_KINDS
-from shardc.ir.strategy import Strategy, choice_name
+from shardc.ir.strategy import Strategy, choice_name, stage_layer_ranges
 
 MAX_TRACE_MICROBATCHES = 16
 
@@ -149,8 +149,7 @@ def chrome_trace(cm, strategy: Strategy) -> dict:
     glob = {name: _layer_segments("global", [br], np.zeros(1))[1:]
             for name, br in r["glob"].items()}
     order = cm._layer_kind
-    L = len(order)
-    bounds = [(s * L) // pp for s in range(pp + 1)]
+    stage_layers = stage_layer_ranges(len(order), pp)
     tick = _f(r["tick"])
     send = _f(r["send"])
     micro = pp if cm.workload.phase == "decode" else int(round(_f(r["micro"])))
@@ -163,7 +162,7 @@ def chrome_trace(cm, strategy: Strategy) -> dict:
         for s in range(pp):
             t = (mb + s) * tick
             segs = list(glob.get("embedding", [])) if s == 0 else []
-            for layer in range(bounds[s], bounds[s + 1]):
+            for layer in stage_layers[s]:
                 segs += [(f"L{layer} {n}", c, d) for n, c, d in kind_segs[order[layer]]]
             if s == pp - 1:
                 segs += glob.get("lm_head", [])

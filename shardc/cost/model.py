@@ -42,7 +42,7 @@ from shardc.cost.topology import mesh_groups
 from shardc.errors import InputError
 from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
-from shardc.ir.strategy import BRANCHES, Mesh, Strategy, Workload
+from shardc.ir.strategy import BRANCHES, Mesh, Strategy, Workload, stage_layer_ranges
 
 # reason codes of an infeasible strategy (0 = feasible), checked in this order
 REASONS = {
@@ -154,13 +154,12 @@ class CostModel:
         return order
 
     def stage_counts(self, pp: int) -> np.ndarray:
-        """[pp, n_kinds] layers of each kind on each stage (contiguous, balanced split)."""
+        """[pp, n_kinds] layers of each kind on each stage
+        (:func:`shardc.ir.strategy.stage_layer_ranges`, the split the backend deploys)."""
         if pp not in self._stage_cache:
-            L = len(self._layer_kind)
-            bounds = [(s * L) // pp for s in range(pp + 1)]
             c = np.zeros((pp, len(self.kinds)), dtype=np.float64)
-            for s in range(pp):
-                for kind in self._layer_kind[bounds[s]:bounds[s + 1]]:
+            for s, layers in enumerate(stage_layer_ranges(len(self._layer_kind), pp)):
+                for kind in self._layer_kind[layers.start:layers.stop]:
                     c[s, kind] += 1
             self._stage_cache[pp] = c
         return self._stage_cache[pp]
