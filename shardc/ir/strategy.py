@@ -117,11 +117,18 @@ class Degrees:
 
     def logical_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """(shape, dim names) for ``init_device_mesh``: dims of size > 1 in
-        :data:`MESH_DIM_ORDER`; a single-GPU plan gets ``((1,), ("tp",))``."""
+        :data:`MESH_DIM_ORDER`; when no dim but ``pp`` is larger than 1 a ``tp`` dim of
+        size 1 is kept (``((1,), ("tp",))`` for one GPU), so there is always at least one
+        SPMD dim for placements to refer to."""
         dims = [(n, getattr(self, n)) for n in MESH_DIM_ORDER if getattr(self, n) > 1]
-        if not dims:
-            dims = [("tp", 1)]
+        if all(n == "pp" for n, _ in dims):
+            dims.append(("tp", 1))
         return tuple(s for _, s in dims), tuple(n for n, _ in dims)
+
+    def spmd_dims(self) -> list[str]:
+        """The logical mesh dims every ``placements`` list refers to, in order: the logical
+        mesh minus ``pp`` (pipeline stages hold whole tensors). Never empty."""
+        return [n for n in self.logical_mesh()[1] if n != "pp"]
 
     def as_dict(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "sp": self.sp}
