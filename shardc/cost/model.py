@@ -35,7 +35,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from shardc.cost.branch_tables import branch_table
+from shardc.cost.branch_tables import (
+    NEEDS_SEQUENCES_SPLIT,
+    NEEDS_TOKENS_SPLIT,
+    branch_table,
+    split_requirements,
+)
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
 from shardc.cost.topology import mesh_groups
@@ -219,12 +224,9 @@ class CostModel:
                 modes = table.modes[combo, residual]
                 res.append((bname, fops, table, combo, bc))
                 nonlocal split_ok
-                if bname != "experts":  # expert tokens are not split over tp sequences
-                    ts = (modes == 4).any(axis=1)
-                    split_ok &= ~ts | (tok_int % tp == 0)
-                    for j, f in enumerate(fops):
-                        if f.name == "attn_core":
-                            split_ok &= (modes[:, j] != 4) | (seq_int % tp == 0)
+                needs = split_requirements(bname, fops, modes)
+                split_ok &= ((needs & NEEDS_TOKENS_SPLIT) == 0) | (tok_int % tp == 0)
+                split_ok &= ((needs & NEEDS_SEQUENCES_SPLIT) == 0) | (seq_int % tp == 0)
             return res
 
         kinds_out = []
@@ -328,6 +330,13 @@ class CostModel:
         from shardc.cost.explain import chrome_trace
 
         return chrome_trace(self, strategy)
+
+    def branch_term_grid(self, degree_rows, space: StrategySpace):
+        """Every (kind x branch) cost term at many degree rows; see
+        :func:`shardc.cost.decomposition.branch_term_grid` (used by the exact solver)."""
+        from shardc.cost.decomposition import branch_term_grid
+
+        return branch_term_grid(self, space, degree_rows)
 
     def branch_tables(self, degree_action, space: StrategySpace):
         """Per-(layer kind x branch) cost tables at fixed degrees; see
