@@ -32,6 +32,7 @@ from shardc.ir.strategy import (
     op_placements,
     residual_placement,
 )
+from shardc.text import number_or_dash, one_line
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schema" / "plan.schema.json"
@@ -75,15 +76,16 @@ class Plan:
     def summary(self) -> str:
         d, p = self.degrees, self.predicted or {}
         deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp"))
-        lines = [f"{self.model.get('name')} on {self.mesh.get('gpus_per_node')}x"
-                 f"{self.mesh.get('nodes')} {self.mesh.get('hardware')}: {deg} "
+        lines = [f"{one_line(self.model.get('name'))} on {self.mesh.get('gpus_per_node')}x"
+                 f"{self.mesh.get('nodes')} {one_line(self.mesh.get('hardware'))}: {deg} "
                  f"batch={self.workload.get('batch')}"]
-        if p.get("tok_s_per_gpu") is not None:
-            lines.append(f"predicted {p['tok_s_per_gpu']:.1f} tok/s/GPU, TPOT "
-                         f"{p.get('tpot_ms', 0):.2f} ms, memory "
-                         f"{p.get('memory_gb_per_gpu', 0):.1f} GB/GPU")
+        if p.get("tok_s_per_gpu") is not None:  # TPOT is None in prefill, TTFT in decode
+            lines.append(f"predicted {number_or_dash(p['tok_s_per_gpu'], '.1f')} tok/s/GPU, "
+                         f"TPOT {number_or_dash(p.get('tpot_ms'), '.2f')} ms, "
+                         f"TTFT {number_or_dash(p.get('ttft_ms'), '.1f')} ms, memory "
+                         f"{number_or_dash(p.get('memory_gb_per_gpu'), '.1f')} GB/GPU")
         for o in self.ops:
-            lines.append(f"  {o['name']:<28} {o['choice']}")
+            lines.append(f"  {one_line(o['name']):<28} {o['choice']}")
         text = "\n".join(lines)
         print(text)
         return text

@@ -9,6 +9,7 @@ from tabulate import tabulate
 
 from shardc.errors import InputError
 from shardc.ir.strategy import Workload
+from shardc.text import out_dir_name
 
 HELP = "Search the sharding of MODEL for a GPU mesh and emit plan.json + DTensor code."
 
@@ -98,7 +99,7 @@ def run(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    out = Path(args.out) if args.out else Path("shardc_out") / plan.model["name"]
+    out = Path(args.out) if args.out else Path("shardc_out") / out_dir_name(plan.model["name"])
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),

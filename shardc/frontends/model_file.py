@@ -132,6 +132,9 @@ def _load_python(p: Path) -> ModelSource:
     )
 
 
+_CODE_KEYS = ("auto_map", "trust_remote_code")  # config.json keys naming custom code
+
+
 def _load_hf_config(p: Path) -> ModelSource:
     try:
         data = json.loads(p.read_text())
@@ -141,6 +144,9 @@ def _load_hf_config(p: Path) -> ModelSource:
         raise InputError(f"{p}: not an HF config.json (no 'model_type' key)")
     from transformers import AutoConfig
 
+    # a config.json is data: keys that point transformers at custom code (auto_map ->
+    # module.Class, trust_remote_code) are dropped, so nothing is imported or run for it
+    data = {k: v for k, v in data.items() if k not in _CODE_KEYS}
     try:
         config = AutoConfig.for_model(**data)
     except Exception as e:
