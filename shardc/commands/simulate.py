@@ -137,7 +137,7 @@ def run(args) -> int:
         score = np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)
         batch = space.values["batch"][int(np.argmax(score))] if ev.feasible.any() else 1
     strategy = Strategy(deg, int(batch), choices)
-    ex = cm.explain(strategy)
+    ex = cm.simulate(strategy)
     print(f"{graph.name} on {mesh} x {hw.name}, {workload.phase}, degrees "
           + " ".join(f"{k}={v}" for k, v in deg.as_dict().items()) + f", batch {batch}")
     print(report(ex))

@@ -319,11 +319,13 @@ class CostModel:
         """A strategy space whose batch candidates are exactly ``strategy.batch``."""
         return StrategySpace(self.graph, self.mesh, replace(self.workload, batch=strategy.batch))
 
-    def explain(self, strategy: Strategy):
-        """Per-op breakdown of one strategy; see :mod:`shardc.cost.explain`."""
-        from shardc.cost.explain import explain
+    def simulate(self, strategy: Strategy):
+        """One strategy's :class:`~shardc.cost.explain.Breakdown`: predicted numbers (ms,
+        tokens/s/GPU, GB), per-op and per-collective rows, stage times, memory -- the same
+        vectorised code as :meth:`evaluate` on a batch of one (:mod:`shardc.cost.explain`)."""
+        from shardc.cost.explain import simulate
 
-        return explain(self, strategy)
+        return simulate(self, strategy)
 
     def chrome_trace(self, strategy: Strategy) -> dict:
         """The simulated step as Chrome-trace JSON (one lane per pipeline stage)."""
