@@ -40,6 +40,12 @@ _KEYS = ("schema_version", "shardc_version", "model", "mesh", "workload", "degre
          "baseline", "search")
 
 
+def format_optional(value: float | None, digits: int = 3, missing: str = "-") -> str:
+    """``value`` with ``digits`` decimals, or ``missing`` when it is None: a predicted number
+    the phase does not produce (``tpot_ms`` in prefill, ``ttft_ms`` in decode)."""
+    return missing if value is None else f"{float(value):.{digits}f}"
+
+
 @dataclass
 class Plan:
     schema_version: int
@@ -73,15 +79,18 @@ class Plan:
         return {k["name"]: list(k["layers"]) for k in self.layer_kinds}
 
     def summary(self) -> str:
+        """Print and return a few lines: degrees, predicted tok/s/GPU, TPOT / TTFT (ms; "-"
+        where the phase does not predict it), memory (GB/GPU), and every op's choice."""
         d, p = self.degrees, self.predicted or {}
         deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp"))
         lines = [f"{self.model.get('name')} on {self.mesh.get('gpus_per_node')}x"
                  f"{self.mesh.get('nodes')} {self.mesh.get('hardware')}: {deg} "
                  f"batch={self.workload.get('batch')}"]
         if p.get("tok_s_per_gpu") is not None:
-            lines.append(f"predicted {p['tok_s_per_gpu']:.1f} tok/s/GPU, TPOT "
-                         f"{p.get('tpot_ms', 0):.2f} ms, memory "
-                         f"{p.get('memory_gb_per_gpu', 0):.1f} GB/GPU")
+            lines.append(f"predicted {format_optional(p.get('tok_s_per_gpu'), 1)} tok/s/GPU, "
+                         f"TPOT {format_optional(p.get('tpot_ms'), 2)} ms, "
+                         f"TTFT {format_optional(p.get('ttft_ms'), 1)} ms, memory "
+                         f"{format_optional(p.get('memory_gb_per_gpu'), 1)} GB/GPU")
         for o in self.ops:
             lines.append(f"  {o['name']:<28} {o['choice']}")
         text = "\n".join(lines)
