@@ -57,3 +57,35 @@ def test_compile_each_phase_exits_0_with_summary_and_titled_plot(tmp_path, capsy
     # the library's summary of the same plan does not fail on the missing number either
     text = shardc.load_plan(out / "plan.json").summary()
     assert f"{absent.split()[0]} - ms" in text
+
+
+QWEN_72B = str(ROOT / "examples" / "configs" / "qwen2_5_72b" / "config.json")
+
+
+def test_infeasible_names_the_binding_constraint_not_the_commonest(capsys):
+    """Qwen2.5-72B on 6 GPUs: tp=3/6 do not divide hidden 8192, a power-of-two batch does not
+    split over pp=3/6 micro-batches, and at tp=2 / pp=2 the weights alone overflow HBM. The
+    line leads with the binding check (memory, with the shortfall) and names the others."""
+    code = main(["compile", QWEN_72B, "--mesh", "6x1", "--search", "megatron", "--quiet",
+                 "--out", "/nonexistent/never-written"])
+    assert code == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    head = err.split("h100): ", 1)[1]
+    assert head.startswith("weights alone need 72.7 GB/GPU at tp=2")
+    assert "70.0 GB of the 80 GB HBM is usable for them (short by 2.7 GB)" in head
+    assert "pp=3" in head and "batch does not divide evenly" in head
+    assert "--batch " in head and "feasible" in head  # a batch that unblocks a split
+    assert "tp=3, 6 cannot be used (tp must divide hidden 8192)" in head
+
+
+@pytest.mark.parametrize("phase, flag, name", [("decode", "--tpot-slo", "TPOT"),
+                                               ("prefill", "--ttft-slo", "TTFT")])
+def test_infeasible_slo_says_how_far_the_fastest_plan_is(capsys, phase, flag, name):
+    code = main(["compile", TINY_LLAMA, "--mesh", "4x1", "--phase", phase, flag, "0.00001",
+                 "--search", "megatron", "--quiet", "--out", "/nonexistent/never-written"])
+    assert code == 3
+    err = capsys.readouterr().err
+    # the fastest plan's latency against the SLO, not the commonest failure of random points
+    assert f"no feasible plan on mesh 4x1 (h100): {name} " in err
+    assert f"exceeds the {0.00001:g} ms SLO" in err
