@@ -4,6 +4,7 @@ the plan's workload, and well-formed DOT."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib.figure
@@ -89,3 +90,78 @@ def test_infeasible_slo_says_how_far_the_fastest_plan_is(capsys, phase, flag, na
     # the fastest plan's latency against the SLO, not the commonest failure of random points
     assert f"no feasible plan on mesh 4x1 (h100): {name} " in err
     assert f"exceeds the {0.00001:g} ms SLO" in err
+
+
+def _node(plan: dict, name: str) -> dict:
+    return next(n for n in plan["nodes"] if n["name"] == name)
+
+
+@pytest.mark.parametrize("phase, args, tokens, keys", [
+    ("prefill", ["--prompt", "512"], 512, 512),
+    ("decode", ["--context", "1024"], 1, 1024)])
+def test_graph_shapes_are_at_the_plan_workload(tmp_path, capsys, phase, args, tokens, keys):
+    """Traced at 1 x 16 tokens; graph.txt, plan.json, inspect and graph.dot show batch 8 x
+    the phase's tokens (decode: 1 new token per step, the KV context as key positions)."""
+    import json
+
+    out = tmp_path / "o"
+    assert main(["compile", TINY_LLAMA, "--mesh", "2x1", "--phase", phase, *args, "--batch", "8",
+                 "--search", "megatron", "--quiet", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    emb = _node(plan, "embedding")
+    assert emb["shape"] == [8, tokens, 64] and emb["token_dims"] == ["b", "s", None]
+    assert _node(plan, "input_ids")["shape"] == [8, tokens]
+    # the attention mask has query x key positions; in decode the keys are the KV context
+    masks = [n for n in plan["nodes"] if n["token_dims"][-2:] == ["s", "kv"]]
+    assert masks and all(n["shape"][-2:] == [tokens, keys] for n in masks)
+    # weights-only dims are not token dims and keep their size
+    assert _node(plan, "output")["shape"] == [8, tokens, 256]
+    text = f"{8}(b)x{tokens}(s)x64"
+    graph_txt = (out / "graph.txt").read_text()
+    assert text in graph_txt and "1(b)x16(s)" not in graph_txt
+    assert "batch 8" in graph_txt.splitlines()[0]
+    capsys.readouterr()
+    assert main(["inspect", str(out / "plan.json"), "--layer", "0"]) == 0
+    shown = capsys.readouterr().out
+    assert text in shown and "x16(s)" not in shown
+    dot = (out / "graph.dot").read_text()
+    assert text in dot and dot.count("->") >= len(plan["nodes"]) - 5
+
+
+_ESC = r'(?:[^"\\\n]|\\n)*'
+_DOT_LINE = re.compile(
+    rf'^(digraph "{_ESC}" \{{|  label="{_ESC}"; labelloc=t;|  rankdir=TB;|'
+    r'  node \[shape=box, fontname="monospace", fontsize=10\];|'
+    rf'  n\d+ \[label="{_ESC}"\];|  n\d+ -> n\d+(?: \[color=red, label="{_ESC}"\])?;|\}})$')
+
+
+def _assert_well_formed_dot(dot: str) -> None:
+    for line in dot.rstrip("\n").split("\n"):
+        assert _DOT_LINE.match(line), line
+
+
+def test_inspect_dot_of_a_plan_has_edges_and_escapes_hostile_names(tmp_path, capsys):
+    """A plan's DOT had no edges (plan nodes did not record their inputs), and names went
+    into the DOT text unescaped: a quote, backslash or newline in a node or model name broke
+    the file or injected attributes."""
+    import json
+
+    out = tmp_path / "o"
+    assert main(["compile", TINY_LLAMA, "--mesh", "2x1", "--search", "megatron", "--quiet",
+                 "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    hostile = 'evil" color=red];\nx -> y [label="\\'
+    rename = {plan["nodes"][1]["name"]: hostile}
+    plan["model"]["name"] = 'model "with\\quotes\nand lines'
+    for n in plan["nodes"]:
+        n["name"] = rename.get(n["name"], n["name"])
+        n["inputs"] = [rename.get(i, i) for i in n.get("inputs", [])]
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(plan))
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--format", "dot"]) == 0
+    dot = capsys.readouterr().out
+    _assert_well_formed_dot(dot)
+    assert dot.count(" -> ") >= len(plan["nodes"]) - 5
+    assert "evil&#34; color=red];\\nx -&#62; y [label=&#34;&#92;" in dot
+    _assert_well_formed_dot((out / "graph.dot").read_text())

@@ -89,7 +89,7 @@ def summary_table(plan) -> str:
 
 def run(args) -> int:
     import shardc.api as api
-    from shardc.backends.reports import graph_dot, graph_table, write_outputs
+    from shardc.backends.reports import graph_dot, graph_table, workload_note, write_outputs
 
     model_path = Path(args.model)
     workload = workload_from_args(args)
@@ -105,8 +105,8 @@ def run(args) -> int:
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
-        "graph.txt": graph_table(plan.nodes),
-        "graph.dot": graph_dot(outcome.graph),
+        "graph.txt": graph_table(plan.nodes, workload_note(plan.workload)),
+        "graph.dot": graph_dot(plan.model["name"], plan.nodes, workload_note(plan.workload)),
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome, plan),
     }
