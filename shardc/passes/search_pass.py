@@ -73,7 +73,9 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
             infeasible_message(graph, mesh, hardware, workload, cost_model, space))
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
-    annotated = annotate(graph, strategy)
+    # collective bytes for the tokens of one step of one replica (as graph.txt's shapes)
+    step_tokens = strategy.batch * (1 if workload.phase == "decode" else workload.prompt)
+    annotated = annotate(graph, strategy, tokens=step_tokens)
     exact_value = searched.best_value if policy == "exact" and searched.complete else None
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
                          exact_value=exact_value, chosen_from=chosen_from, searched=searched)
