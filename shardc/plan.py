@@ -7,7 +7,10 @@
 
 Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
 list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers}]``
-and ``params [{fqn, shape, placements, local_shape, stage}]`` (what every rank holds).
+and ``params [{fqn, shape, placements, local_shape, stage}]`` (what every rank holds);
+every ``nodes`` entry also has ``inputs`` (producer node names) and ``token_dims``, and its
+``shape`` is at the plan's workload (one decode step / one prefill pass of one replica, see
+:mod:`shardc.ir.token_dims`), not the traced example's.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ from shardc.cost.capacity import gpus_short_message
 from shardc.cost.model import BAD_BATCH, NO_MEMORY, OK, TPOT_SLO, TTFT_SLO, CostModel, reason_text
 from shardc.ir.space import DEGREE_COMPONENTS, MAX_TP, StrategySpace, megatron_op_choices
 
+MAX_SPLITS_NAMED = 6  # splits listed per earlier-failing check before "and N more"
+
 
 def _candidate_actions(space: StrategySpace) -> np.ndarray:
     """[B, A] every degree combination that tiles the mesh, with Megatron's op choices."""
@@ -132,10 +134,15 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
         key = (s.degrees.tp, s.degrees.ep, s.degrees.pp, s.degrees.sp)
         if key not in furthest or int(ev.reason[i]) > furthest[key][0]:
             furthest[key] = (int(ev.reason[i]), s)
+    if binding == BAD_BATCH:
+        text += _batch_that_unblocks(graph, mesh, hardware, workload,
+                                     [space.decode(acts[i]) for i in at])
     for code in sorted({c for c, _ in furthest.values() if c < binding}):
-        stopped = [s for c, s in furthest.values() if c == code]
-        names = ", ".join(sorted({_split(s).rsplit(" batch=", 1)[0] for s in stopped}))
-        text += f"; {names}: {reason_text(code).split(' (')[0]} at every batch candidate"
+        stopped = [s for key, (c, s) in sorted(furthest.items()) if c == code]
+        names = [_split(s).rsplit(" batch=", 1)[0] for s in stopped]
+        shown = ", ".join(names[:MAX_SPLITS_NAMED]) + (
+            f" and {len(names) - MAX_SPLITS_NAMED} more" if len(names) > MAX_SPLITS_NAMED else "")
+        text += f"; {shown}: {reason_text(code).split(' (')[0]} at every batch candidate"
         if code == BAD_BATCH:
             text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped)
     return text + not_tp
