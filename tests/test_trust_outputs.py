@@ -165,3 +165,16 @@ def test_inspect_dot_of_a_plan_has_edges_and_escapes_hostile_names(tmp_path, cap
     assert dot.count(" -> ") >= len(plan["nodes"]) - 5
     assert "evil&#34; color=red];\\nx -&#62; y [label=&#34;&#92;" in dot
     _assert_well_formed_dot((out / "graph.dot").read_text())
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--mesh", "4x1", "--degrees", "tp=2,pp=1", "--batch", "1"],
+     "strategy infeasible: weights alone need 72.7 GB/GPU at tp=2 ep=1 pp=1 batch=1; 70.0 GB "
+     "of the 80 GB HBM is usable for them (short by 2.7 GB)"),
+    (["--mesh", "8x1", "--degrees", "tp=2,pp=2", "--batch", "64", "--context", "8192"],
+     "strategy infeasible: weights + KV cache + activations need 79.3 GB/GPU at tp=2 ep=1 pp=2 "
+     "batch=64 (weights 36.4, KV cache 42.9, activations 0.0); 70.0 GB of the 80 GB HBM is "
+     "usable for them (short by 9.3 GB)")])
+def test_simulate_says_what_is_short_and_by_how_much(capsys, args, expected):
+    assert main(["simulate", QWEN_72B, *args]) == 3
+    assert expected in capsys.readouterr().err
