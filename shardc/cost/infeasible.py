@@ -36,14 +36,16 @@ def _candidate_actions(space: StrategySpace) -> np.ndarray:
 
 
 def _split(strategy) -> str:
+    """``tp=2 ep=1 pp=3 batch=6`` (sp only when > 1)."""
     d = strategy.degrees
     text = f"tp={d.tp} ep={d.ep} pp={d.pp}"
     return text + (f" sp={d.sp}" if d.sp > 1 else "") + f" batch={strategy.batch}"
 
 
 def rejection_detail(cost_model, strategy) -> str:
-    """One strategy's failed check with its numbers (GB per GPU, ms), e.g. ``weights alone
-    need 72.7 GB/GPU at tp=2 ...; 66.0 GB of the 80 GB HBM is usable (short by 6.7 GB)``."""
+    """One strategy's failed check with its numbers (GB = 1e9 bytes per GPU of the bottleneck
+    stage, ms), e.g. ``weights alone need 72.7 GB/GPU at tp=2 ...; 70.0 GB of the 80 GB HBM is
+    usable for them (short by 2.7 GB)``."""
     ex = cost_model.explain(strategy)
     space = cost_model.space_for(strategy)
     code = int(cost_model.evaluate(space.encode(strategy)[None, :], space).reason[0])
