@@ -102,12 +102,13 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
-                      exact: float | None = None, title: str = "") -> None:
+                      exact: float | None = None, title: str = "") -> str:
     """Write ``search.png``: best-so-far tok/s/GPU against evaluations for each searcher in
-    ``curves`` ({name: [(evals, best)]}), with horizontal Megatron / exact lines if given."""
+    ``curves`` ({name: [(evals, best)]}), with horizontal Megatron / exact lines if given;
+    returns the title drawn."""
     from shardc.search.plot import plot_search_curve as _plot
 
-    _plot(path, curves, megatron=megatron, exact=exact, title=title)
+    return _plot(path, curves, megatron=megatron, exact=exact, title=title)
 
 
 __all__ = ["POLICIES", "SearchResult", "run_search", "plot_search_curve", "cost_model_objective",
