@@ -46,7 +46,7 @@ def rejection_detail(cost_model, strategy) -> str:
     """One strategy's failed check with its numbers (GB = 1e9 bytes per GPU of the bottleneck
     stage, ms), e.g. ``weights alone need 72.7 GB/GPU at tp=2 ...; 70.0 GB of the 80 GB HBM is
     usable for them (short by 2.7 GB)``."""
-    ex = cost_model.explain(strategy)
+    ex = cost_model.simulate(strategy)
     space = cost_model.space_for(strategy)
     code = int(cost_model.evaluate(space.encode(strategy)[None, :], space).reason[0])
     pred, mem = ex.predicted, ex.memory
