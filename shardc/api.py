@@ -55,9 +55,9 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
                          name: str | None = None):
     """:func:`compile`, also returning the search pass's
-    :class:`~shardc.passes.search_pass.SearchOutcome` (annotated graph, cost model, curves),
+    :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png."""
-    from shardc.passes.search_pass import search_pass
+    from shardc.driver import search_pass
     from shardc.plan import build_plan
 
     if search not in SEARCH_POLICIES:

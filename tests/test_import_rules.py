@@ -17,7 +17,7 @@ RANKS = {
     "passes": 3,
     "frontends": 4,
     "backends": 5,
-    "plan": 6,
+    "plan": 6, "driver": 6,
     "api": 7,
     "commands": 8, "cli": 8, "__init__": 8,
 }

@@ -1,4 +1,7 @@
-"""The search pass: IR -> IR with the chosen strategy annotated on every node.
+"""The compile driver: the search pass (IR -> IR with the chosen strategy annotated on every
+node), orchestrating search/, cost/ and the annotate pass. It lives outside ``passes/`` so
+that editing it does not invalidate the traced-graph cache (keyed on the frontend and pass
+code).
 
 Given the layer kinds and fused ops of a graph, a mesh, a hardware preset and a workload, it
 builds the strategy space (:class:`shardc.ir.space.StrategySpace`), the cost model
