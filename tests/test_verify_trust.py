@@ -193,6 +193,12 @@ def _configs() -> dict:
         "phi3_longrope": Phi3Config(hidden_size=3072, num_attention_heads=32,
                                     num_key_value_heads=32, max_position_embeddings=131072,
                                     rope_scaling=longrope),
+        "phi3_longrope_partial_rotary": Phi3Config(
+            hidden_size=3072, num_attention_heads=32, num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_scaling=dict(longrope, partial_rotary_factor=0.5,
+                              short_factor=longrope["short_factor"][:24],
+                              long_factor=longrope["long_factor"][:24])),
         "gpt2": GPT2Config(),
     }
 
@@ -248,8 +254,9 @@ def test_tiny_config_divides_degrees_and_keeps_the_pattern(name, degrees):
         assert tiny.mlp_only_layers and len(tiny.mlp_only_layers) < tiny.num_hidden_layers
     rope = getattr(tiny, "rope_parameters", None) or {}
     if "short_factor" in rope:
-        rotary = tiny.head_dim if getattr(tiny, "head_dim", None) else \
+        head_dim = tiny.head_dim if getattr(tiny, "head_dim", None) else \
             tiny.hidden_size // tiny.num_attention_heads
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
         assert len(rope["short_factor"]) == len(rope["long_factor"]) == rotary // 2
     assert rope.get("rope_type") == (getattr(big, "rope_parameters", None) or {}).get("rope_type")
     # HF builds it (meta: shapes only)
@@ -265,6 +272,26 @@ def test_tiny_config_keeps_first_k_dense_replace_with_one_moe_layer():
     tiny = tiny_config(_configs()["deepseek_v3"], {"ep": 4})
     assert tiny.first_k_dense_replace == 3 and tiny.num_hidden_layers == 4
     assert getattr(tiny, LAYER_SOURCE_KEY) == [0, 1, 2, 3]
+
+
+def test_tiny_config_of_a_multimodal_config_shrinks_its_text_model():
+    """Llama-4 (Llama4Config with a text_config): MoE every 2nd layer and NoPE every 4th
+    survive in the text config; the outer config stays a Llama4Config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardc.frontends.tiny_config import LAYER_SOURCE_KEY, tiny_config
+
+    big = AutoConfig.for_model("llama4", text_config={"interleave_moe_layer_step": 2,
+                                                      "num_hidden_layers": 48})
+    tiny = tiny_config(big, {"tp": 2, "ep": 4})
+    text = tiny.get_text_config()
+    assert type(tiny) is type(big) and text.hidden_size <= 128
+    assert text.num_hidden_layers == 4 and getattr(tiny, LAYER_SOURCE_KEY) == [0, 1, 2, 3]
+    assert text.moe_layers == [1, 3] and text.no_rope_layers == big.text_config.no_rope_layers[:4]
+    assert text.num_local_experts % 4 == 0 and text.num_attention_heads % 2 == 0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text, attn_implementation="eager")
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
 
 
 def test_config_json_has_a_small_cpu_tiny_model():

@@ -42,6 +42,7 @@ layer i plays original layer ``kept[i]``; verify maps the plan's layer kinds wit
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -90,11 +91,28 @@ def tiny_config(config: PretrainedConfig, degrees=None) -> PretrainedConfig:
     degs = tuple(_deg(degrees, n) for n in ("tp", "ep", "pp", "dp"))
     key = (type(config).__name__, json.dumps(config.to_dict(), sort_keys=True, default=str), degs)
     if key not in _CACHE:
-        _CACHE[key] = _derive(config, *degs)
-    return type(config)(**_CACHE[key])
+        _CACHE[key] = _derive_outer(config, degs)
+    return type(config)(**copy.deepcopy(_CACHE[key]))
+
+
+def _derive_outer(config: PretrainedConfig, degs: tuple) -> dict:
+    """A multimodal config (e.g. ``llama4``) has its decoder in a text sub-config: that one is
+    shrunk and put back (other sub-configs are left as they are)."""
+    text = config.get_text_config()
+    if text is config:
+        return _derive(config, *degs)
+    name = next((k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None) is text),
+                None)
+    if name is None:
+        raise InputError(f"{config.model_type}: cannot find the text model's config to shrink")
+    tiny_text = _derive(text, *degs)
+    return dict(config.to_dict(), **{name: tiny_text,
+                                     LAYER_SOURCE_KEY: tiny_text[LAYER_SOURCE_KEY]})
 
 
 def _derive(config: PretrainedConfig, tp: int, ep: int, pp: int, dp: int) -> dict:
+    """The tiny config's fields (``to_dict`` form) of a decoder config: widths, then the kept
+    layers and the pattern fields rewritten for them, checked by building both on meta."""
     amap = dict(getattr(config, "attribute_map", {}) or {})
     src = config.to_dict()
 
@@ -181,7 +199,8 @@ def _tiny_widths(src: dict, key, get, tp: int, ep: int, dp: int) -> dict:
         v = get(name)
         if isinstance(v, int) and v > WINDOW:
             out[key(name)] = WINDOW
-    rotary = new_hd * float(get("partial_rotary_factor") or 1.0)
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    rotary = new_hd * float(get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
     if get("kv_lora_rank") is not None:
         rotary = out[key("qk_rope_head_dim")]
     for name in ("rope_parameters", "rope_scaling"):
