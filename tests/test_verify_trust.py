@@ -359,5 +359,6 @@ def test_verify_a_config_json_plan(config_runs, gloo, name, monkeypatch, capsys)
     assert res["error"] is None, res["error"]
     rc, out, err = _verify([cfg, "--plan", plan, "--world", "4"], [res], monkeypatch, capsys)
     assert rc == 0 and "verify OK" in out, out + err
+    assert out.startswith(f"tiny variant of {cfg}: ")
     assert res["rel_err"] <= 1e-4
 

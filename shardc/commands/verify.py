@@ -176,6 +176,11 @@ def run(args) -> int:
     caps = _degree_caps(plan.strategy(), args.world)
     src = load_model_file(args.model, tiny_degrees=caps)
     model, _ = src.build(tiny=True)
+    source = getattr(getattr(model, "config", None), "shardc_source_layers", None)
+    if source and args.model.endswith(".json"):
+        params = sum(p.numel() for p in model.parameters())
+        print(f"tiny variant of {args.model}: {type(model).__name__} with the original layers "
+              f"{source}, {params / 1e6:.2f}M parameters (float32, CPU)")
     kinds = _tiny_layer_kinds(model, plan)
     strategy, notes = fit_degrees(model, plan.strategy(), kinds, args.world)
     deg = strategy.degrees
