@@ -274,11 +274,13 @@ def test_tiny_config_keeps_first_k_dense_replace_with_one_moe_layer():
     assert getattr(tiny, LAYER_SOURCE_KEY) == [0, 1, 2, 3]
 
 
-def test_tiny_config_of_a_multimodal_config_shrinks_its_text_model():
+def test_tiny_config_of_a_multimodal_config_shrinks_its_text_model(tmp_path):
     """Llama-4 (Llama4Config with a text_config): MoE every 2nd layer and NoPE every 4th
-    survive in the text config; the outer config stays a Llama4Config."""
+    survive in the text config; the outer config stays a Llama4Config; as a config.json its
+    tiny inputs are below the text model's vocab."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shardc.frontends.model_file import load_model_file
     from shardc.frontends.tiny_config import LAYER_SOURCE_KEY, tiny_config
 
     big = AutoConfig.for_model("llama4", text_config={"interleave_moe_layer_step": 2,
@@ -292,6 +294,11 @@ def test_tiny_config_of_a_multimodal_config_shrinks_its_text_model():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text, attn_implementation="eager")
     assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    (tmp_path / "config.json").write_text(big.to_json_string())
+    model, (ids,) = load_model_file(tmp_path / "config.json", {"tp": 2}).build(tiny=True)
+    assert int(ids.max()) < text.vocab_size
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
 
 
 def test_config_json_has_a_small_cpu_tiny_model():

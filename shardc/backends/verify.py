@@ -185,8 +185,10 @@ def _build(model_ref: str, batch: int, seq: int, tiny_degrees: dict | None = Non
 
 
 def _vocab(model) -> int:
+    """The model's vocabulary size (a multimodal HF config's: its text model's)."""
     cfg = model.config
-    return int(getattr(cfg, "vocab_size"))
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(getattr(text, "vocab_size"))
 
 
 def padding_mask(ids: torch.Tensor, side: str = "right") -> torch.Tensor:

@@ -166,7 +166,8 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
 
 
 def _token_ids(config) -> tuple:
-    """One deterministic [1, 16] int64 batch of token ids below the config's vocab."""
+    """One deterministic [1, 16] int64 batch of token ids below the config's vocab (a
+    multimodal config's text model's vocab)."""
     g = torch.Generator().manual_seed(0)
-    vocab = int(getattr(config, "vocab_size", 32000) or 32000)
+    vocab = int(getattr(config.get_text_config(), "vocab_size", 32000) or 32000)
     return (torch.randint(0, vocab, (1, 16), generator=g, dtype=torch.int64),)
