@@ -5,16 +5,16 @@ float32, seeded weights). The tiny config is ``type(config)`` rebuilt from ``con
 with these fields changed (canonical names; a config's ``attribute_map`` spelling, e.g.
 GPT-2's ``n_embd``, is followed), each only when the original has it (not None):
 
-- widths: ``num_attention_heads`` / ``num_key_value_heads`` (MHA stays MHA, MQA keeps 1 KV
-  head, GQA keeps a group of heads per KV head; both multiples of ``tp``), ``head_dim`` 16
-  (``hidden_size`` = heads x head_dim when the original derives head_dim that way, else 64),
-  every ``*intermediate_size*`` / ``n_inner`` / ``ffn_dim`` scaled with the hidden size,
-  ``vocab_size`` 256; multiples of every given degree (``unit``, at least 8);
+- widths: ``num_attention_heads`` / ``num_key_value_heads`` (MHA stays MHA with 4 heads,
+  MQA keeps 1 KV head, GQA gets 2 KV heads with min(group, 4) heads each; heads rounded up to
+  multiples of ``tp``), ``head_dim`` 16 (``hidden_size`` = heads x head_dim when the
+  original derives head_dim that way, else 64), the :data:`INTERMEDIATE` sizes scaled with
+  the hidden size, ``vocab_size`` 256; sizes are multiples of ``unit`` = lcm(8, tp, ep, dp);
 - experts: ``n_routed_experts`` / ``num_experts`` / ``num_local_experts`` 8 (a multiple of
   ``ep`` and of the groups), top-k (``num_experts_per_tok``, ``experts_per_token``) at most
   2; group-limited routing (``n_group`` > 1) keeps 2 groups, ``topk_group`` 1 when it was
   below ``n_group``; ``n_shared_experts`` unchanged;
-- MLA: ``kv_lora_rank`` 16, ``q_lora_rank`` 32 (None stays None), ``qk_rope_head_dim`` /
+- MLA: ``kv_lora_rank`` 16, ``q_lora_rank`` 32 (None stays None; both multiples of ``unit``), ``qk_rope_head_dim`` /
   ``qk_nope_head_dim`` / ``v_head_dim`` 8 (``qk_head_dim`` their sum, ``head_dim`` the rope
   dim when it was);
 - windows: ``sliding_window`` and ``attention_chunk_size`` at most 4 tokens, so that the
@@ -169,10 +169,10 @@ def _tiny_widths(src: dict, key, get, tp: int, ep: int, dp: int) -> dict:
     new_hd = HEAD_DIM
     if get("kv_lora_rank") is not None:  # MLA
         rope = 8
-        out.update({key("kv_lora_rank"): 16, key("qk_rope_head_dim"): rope,
+        out.update({key("kv_lora_rank"): _up(16, unit), key("qk_rope_head_dim"): rope,
                     key("qk_nope_head_dim"): 8, key("v_head_dim"): 8})
         if get("q_lora_rank") is not None:
-            out[key("q_lora_rank")] = 32
+            out[key("q_lora_rank")] = _up(32, unit)
         if get("qk_head_dim") is not None:
             out[key("qk_head_dim")] = 16
         if head_dim is not None and head_dim == get("qk_rope_head_dim"):
