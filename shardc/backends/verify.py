@@ -4,13 +4,16 @@ One launch runs a whole list of strategies (process start-up dominates the cost)
 builds the model from the same seed, computes the reference logits unsharded, then for each
 strategy builds a fresh copy, shards it (:func:`shardc.backends.apply.apply`), runs the same
 batch and reports ``max |sharded - reference| / max |reference|`` from the ranks that hold
-logits (the last pipeline stage). Loopback only (127.0.0.1).
+logits (the last pipeline stage). Logits with a NaN or an infinity on either side (or an
+all-zero reference) are an error of the case, never a small error (:func:`compare_logits`,
+:func:`worst_rel_err`). Loopback only (127.0.0.1).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -62,9 +65,9 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
     try:
-        for model_ref, cases in suites:
+        for model_ref, cases, tiny_degrees in suites:
             t0 = time.perf_counter()
-            model, ids = _build(model_ref, batch, seq)
+            model, ids = _build(model_ref, batch, seq, tiny_degrees)
             with torch.no_grad():
                 ref = _logits(model(ids))
             ref_padded: dict[str, torch.Tensor] = {}  # side -> unsharded padded logits
@@ -74,7 +77,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                 res = {"name": case.name, "reference_s": build_s}
                 t0, build_s = time.perf_counter(), 0.0
                 try:
-                    fresh = _build(model_ref, batch, seq)[0]
+                    fresh = _build(model_ref, batch, seq, tiny_degrees)[0]
                     if case.code:
                         sharded = _load_code(case.code).parallelize(fresh)
                     else:
@@ -99,7 +102,9 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                         if case.padded:  # the logits of real tokens (pad positions are unread)
                             keep = mask.bool()
                             out, expect = out[keep], expect[keep]
-                        res["rel_err"] = float((out - expect).abs().max() / expect.abs().max())
+                        res["rel_err"], err = compare_logits(out, expect)
+                        if err:
+                            res["error"] = f"rank {rank}: {err}"
                 except Exception as e:  # reported per case; the other cases still run
                     res["error"] = f"{type(e).__name__}: {e}"
                     if os.environ.get("SHARDC_DEBUG"):
@@ -111,7 +116,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                 dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+            json.dump(results, f, allow_nan=False)
         dist.destroy_process_group()
 
 
@@ -134,12 +139,38 @@ def _perturb(model) -> None:
             return
 
 
-def _build(model_ref: str, batch: int, seq: int):
-    """``model_ref`` = path of a model file (tiny_model) or ``module:function``."""
-    if model_ref.endswith(".py"):
+def compare_logits(out: torch.Tensor, expect: torch.Tensor) -> tuple[float | None, str | None]:
+    """(``max |out - expect| / max |expect|``, None), or (None, why) when either side holds a
+    NaN or an infinity or the reference is all zero (no relative error is defined)."""
+    for what, t in (("reference (unsharded)", expect), ("sharded", out)):
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            kinds = "/".join(k for k, m in (("NaN", torch.isnan(t)), ("Inf", torch.isinf(t)))
+                             if m.any())
+            return None, f"{what} logits are not finite ({int(bad.sum())} {kinds} values)"
+    scale = float(expect.abs().max())
+    if scale == 0.0:
+        return None, "reference (unsharded) logits are all zero"
+    return float((out - expect).abs().max()) / scale, None
+
+
+def worst_rel_err(a: float | None, b: float | None) -> float | None:
+    """The worse of two ranks' relative errors; None means "no logits on that rank", and a
+    NaN (or infinity) wins over every number (``max`` would drop a NaN)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if not math.isfinite(a) or not math.isfinite(b):
+        return a if not math.isfinite(a) else b
+    return max(a, b)
+
+
+def _build(model_ref: str, batch: int, seq: int, tiny_degrees: dict | None = None):
+    """``model_ref`` = path of a model file (``.py`` or ``config.json``: its tiny model,
+    shaped for ``tiny_degrees``) or ``module:function``."""
+    if model_ref.endswith((".py", ".json")):
         from shardc.frontends.model_file import load_model_file
 
-        src = load_model_file(model_ref)
+        src = load_model_file(model_ref, tiny_degrees)
         model, _ = src.build(tiny=True)
     else:
         import importlib
@@ -154,8 +185,10 @@ def _build(model_ref: str, batch: int, seq: int):
 
 
 def _vocab(model) -> int:
+    """The model's vocabulary size (a multimodal HF config's: its text model's)."""
     cfg = model.config
-    return int(getattr(cfg, "vocab_size"))
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(getattr(text, "vocab_size"))
 
 
 def padding_mask(ids: torch.Tensor, side: str = "right") -> torch.Tensor:
@@ -190,11 +223,12 @@ def _logits(out) -> torch.Tensor:
 
 
 def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None = None,
-              seq: int = 8, timeout_s: float = 900) -> list[dict]:
+              seq: int = 8, timeout_s: float = 900, tiny_degrees: dict | None = None) -> list[dict]:
     """Run ``cases`` on ``world`` gloo processes; returns per case {name, rel_err, error,
     seconds} (the worst over ranks holding logits; ``seconds``: rank 0's wall time for the
-    case, ``reference_s`` its model's unsharded reference run, first case only)."""
-    return run_suites([(model_ref, cases)], world, batch, seq, timeout_s)
+    case, ``reference_s`` its model's unsharded reference run, first case only).
+    ``tiny_degrees``: see :func:`shardc.frontends.model_file.load_model_file`."""
+    return run_suites([(model_ref, cases)], world, batch, seq, timeout_s, tiny_degrees)
 
 
 # Imported once by the fork server; every worker forks from it instead of importing torch,
@@ -218,14 +252,18 @@ def _start_method() -> str:
 
 
 def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | None = None,
-               seq: int = 8, timeout_s: float = 900) -> list[dict]:
-    """Several models' cases in ONE launch (process start-up dominates): results in order."""
+               seq: int = 8, timeout_s: float = 900,
+               tiny_degrees: dict | None = None) -> list[dict]:
+    """Several models' cases in ONE launch (process start-up dominates): results in order.
+    A suite is ``(model_ref, cases)`` or ``(model_ref, cases, tiny_degrees)`` (that model's
+    own; else ``tiny_degrees``)."""
     import torch.multiprocessing as mp
 
     batch = batch or 2 * world
-    suites = [(os.path.abspath(m) if m.endswith(".py") else m, cs) for m, cs in suites]
-    cases = [c for _, cs in suites for c in cs]
-    payload = [(m, [c.__dict__ for c in cs]) for m, cs in suites]
+    suites = [(os.path.abspath(s[0]) if s[0].endswith((".py", ".json")) else s[0], s[1],
+               s[2] if len(s) > 2 else tiny_degrees) for s in suites]
+    cases = [c for _, cs, _ in suites for c in cs]
+    payload = [(m, [c.__dict__ for c in cs], degs) for m, cs, degs in suites]
     method = _start_method()
     with tempfile.TemporaryDirectory(prefix="shardc-verify-") as tmp:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), payload, batch, seq, tmp),
@@ -240,24 +278,28 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
         for r in range(world):
             p = os.path.join(tmp, f"rank{r}.json")
             per_rank.append(json.load(open(p)) if os.path.exists(p) else [])
-    merged = []
-    for i, c in enumerate(cases):
-        res = {"name": c.name, "rel_err": None, "error": None}
-        if per_rank and i < len(per_rank[0]):
-            res["seconds"] = per_rank[0][i].get("seconds")
-            res["reference_s"] = per_rank[0][i].get("reference_s", 0.0)
-        for rank_res in per_rank:
-            if i >= len(rank_res):
-                res["error"] = res["error"] or "a rank did not finish"
-                continue
-            rr = rank_res[i]
-            if rr.get("error"):
-                res["error"] = res["error"] or rr["error"]
-            if rr.get("rel_err") is not None:
-                res["rel_err"] = max(res["rel_err"] or 0.0, rr["rel_err"])
-            if rr.get("shape_ok") is False:
-                res["error"] = res["error"] or "logits shape differs"
-        if res["rel_err"] is None and not res["error"]:
-            res["error"] = "no rank produced logits"
-        merged.append(res)
-    return merged
+    return [merge_rank_results(c.name, [rr[i] if i < len(rr) else None for rr in per_rank])
+            for i, c in enumerate(cases)]
+
+
+def merge_rank_results(name: str, per_rank: list[dict | None]) -> dict:
+    """One case's result from every rank's (None: the rank did not finish it): the first
+    error, the worst relative error (:func:`worst_rel_err`), ``seconds`` from rank 0."""
+    res = {"name": name, "rel_err": None, "error": None}
+    if per_rank and per_rank[0] is not None:
+        res["seconds"] = per_rank[0].get("seconds")
+        res["reference_s"] = per_rank[0].get("reference_s", 0.0)
+    for rr in per_rank:
+        if rr is None:
+            res["error"] = res["error"] or "a rank did not finish"
+            continue
+        if rr.get("error"):
+            res["error"] = res["error"] or rr["error"]
+        res["rel_err"] = worst_rel_err(res["rel_err"], rr.get("rel_err"))
+        if rr.get("shape_ok") is False:
+            res["error"] = res["error"] or "logits shape differs"
+    if res["rel_err"] is not None and not math.isfinite(res["rel_err"]):
+        res["error"] = res["error"] or f"relative error is {res['rel_err']} (NaN/Inf logits)"
+    if res["rel_err"] is None and not res["error"]:
+        res["error"] = "no rank produced logits"
+    return res

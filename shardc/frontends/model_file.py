@@ -6,7 +6,9 @@ module name; its directory is put first on ``sys.path`` so that sibling helpers 
 ``examples/gpt_moe.py``) import, and helpers from that folder that an earlier load in the
 same process imported are imported afresh (an edited helper is never served stale). A ``config.json`` is built with
 ``AutoModelForCausalLM.from_config`` on the ``meta`` device in bfloat16 (sdpa attention,
-``grouped_mm`` experts). Every failure is an :class:`InputError` with one line that names
+``grouped_mm`` experts); its ``tiny_model()`` is built from
+:func:`shardc.frontends.tiny_config.tiny_config` (same architecture and layer pattern, small
+shapes that ``tiny_degrees`` divide) on CPU in float32 with seeded weights. Every failure is an :class:`InputError` with one line that names
 the file (and, when the model itself raises, the model's message and file:line).
 """
 
@@ -19,12 +21,15 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from shardc.errors import InputError
 from shardc.frontends.imports import forget_folder_modules, user_code
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -79,8 +84,10 @@ def _call_user(fn: Callable, source: str, what: str):
                          f"(at {_where(e)})") from e
 
 
-def load_model_file(path: str | Path) -> ModelSource:
-    """Load a ``.py`` model file or an HF ``config.json`` into a :class:`ModelSource`."""
+def load_model_file(path: str | Path, tiny_degrees: dict | None = None) -> ModelSource:
+    """Load a ``.py`` model file or an HF ``config.json`` into a :class:`ModelSource`.
+    ``tiny_degrees`` ({tp, ep, pp, dp}): degrees a config.json's tiny variant must admit
+    (a ``.py`` file's own ``tiny_model()`` ignores them)."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{path}: no such file")
@@ -89,7 +96,7 @@ def load_model_file(path: str | Path) -> ModelSource:
     if p.suffix == ".py":
         return _load_python(p)
     if p.suffix == ".json":
-        return _load_hf_config(p)
+        return _load_hf_config(p, tiny_degrees)
     raise InputError(f"{path}: unsupported model file (expected .py, .onnx or config.json)")
 
 
@@ -135,7 +142,7 @@ def _load_python(p: Path) -> ModelSource:
 _CODE_KEYS = ("auto_map", "trust_remote_code")  # config.json keys naming custom code
 
 
-def _load_hf_config(p: Path) -> ModelSource:
+def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError) as e:
@@ -158,10 +165,30 @@ def _load_hf_config(p: Path) -> ModelSource:
         return build_causal_lm(config)
 
     def example_inputs() -> tuple:
-        g = torch.Generator().manual_seed(0)
-        vocab = int(getattr(config, "vocab_size", 32000) or 32000)
-        return (torch.randint(0, vocab, (1, 16), generator=g, dtype=torch.int64),)
+        return _token_ids(config)
+
+    def tiny() -> PretrainedConfig:
+        from shardc.frontends.tiny_config import tiny_config
+
+        return tiny_config(config, tiny_degrees)
+
+    def tiny_model() -> torch.nn.Module:
+        from shardc.frontends.hf_build import build_causal_lm
+
+        return build_causal_lm(tiny(), device="cpu", dtype=torch.float32)
+
+    def tiny_inputs() -> tuple:
+        return _token_ids(tiny())
 
     name = data.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
     return ModelSource(name=Path(str(name)).name or p.stem, source=str(p),
-                       build_model=build_model, example_inputs=example_inputs)
+                       build_model=build_model, example_inputs=example_inputs,
+                       tiny_model=tiny_model, tiny_inputs=tiny_inputs)
+
+
+def _token_ids(config) -> tuple:
+    """One deterministic [1, 16] int64 batch of token ids below the config's vocab (a
+    multimodal config's text model's vocab)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = int(getattr(config.get_text_config(), "vocab_size", 32000) or 32000)
+    return (torch.randint(0, vocab, (1, 16), generator=g, dtype=torch.int64),)
