@@ -252,6 +252,13 @@ def _block_form(seg: _Segments, j: int) -> tuple:
     return tuple(form)
 
 
+def _from_end(block: list[Node], offset: int) -> str:
+    """Name of the node ``offset`` places from the end of ``block`` (1 = its last node)."""
+    if not 1 <= offset <= len(block):
+        raise NotProvable(f"a layer reads node -{offset} of a previous layer of {len(block)} nodes")
+    return block[len(block) - offset].name
+
+
 def _copy_node(n: Node, **changes) -> Node:
     out = copy.deepcopy(n)
     for k, v in changes.items():
@@ -263,7 +270,7 @@ def expand(graph: Graph, ep: torch.export.ExportedProgram, kinds: list[int]) -> 
     """The raw IR of the full-depth model (``len(kinds)`` layers) from the raw IR ``graph``
     and exported program ``ep`` of its first ``R`` layers (module docstring, 3 and 4).
     ``kinds`` = kind id per full layer. Raises :class:`NotProvable`."""
-    depth, full = None, len(kinds)
+    full = len(kinds)
     layers = sorted({n.layer for n in graph.nodes if n.layer is not None})
     depth = len(layers)
     if layers != list(range(depth)) or depth < 3 or depth > full:
@@ -301,7 +308,7 @@ def expand(graph: Graph, ep: torch.export.ExportedProgram, kinds: list[int]) -> 
                 if seg.block_of.get(i) == t:
                     inputs.append(rename[i])
                 elif seg.block_of.get(i) == t - 1:
-                    inputs.append(prev[len(prev) - (len(seg.blocks[t - 1]) - seg.index_in_block[i])].name)
+                    inputs.append(_from_end(prev, len(seg.blocks[t - 1]) - seg.index_in_block[i]))
                 else:
                     inputs.append(i)
             block.append(_copy_node(n, name=rename[n.name], inputs=inputs, layer=j,
@@ -321,7 +328,7 @@ def expand(graph: Graph, ep: torch.export.ExportedProgram, kinds: list[int]) -> 
         if i in rename:
             return rename[i]
         if seg.block_of.get(i) == depth - 1:
-            return prev[len(prev) - (len(last) - seg.index_in_block[i])].name
+            return _from_end(prev, len(last) - seg.index_in_block[i])
         if i in seg.prefix_names:
             return i
         raise NotProvable(f"the suffix reads {i}, which is not in the prefix or the last layer")
@@ -371,6 +378,7 @@ def trace_reduced(source, full_model: torch.nn.Module, inputs: tuple) -> Graph |
     ``num_layers``) from a reduced-depth trace, expanded. None when no depth below the full
     one proves the pattern (nothing to gain: trace all layers); raises :class:`NotProvable`
     when a check fails."""
+    from shardc.errors import InputError
     from shardc.frontends.model_file import _call_user
 
     signatures = layer_signatures(full_model)
@@ -378,10 +386,14 @@ def trace_reduced(source, full_model: torch.nn.Module, inputs: tuple) -> Graph |
     depth = choose_depth(kinds)
     if depth is None:
         return None
-    reduced = _call_user(lambda: source.build_model(num_layers=depth), source.source,
-                         f"building the model with num_layers={depth}")
-    if not isinstance(reduced, torch.nn.Module) or layer_signatures(reduced) != signatures[:depth]:
-        raise NotProvable(f"build_model(num_layers={depth}) does not build the first {depth} "
-                          "layers of build_model()")
-    graph, ep = trace_program(reduced, inputs, name=source.name, source=source.source)
+    try:
+        reduced = _call_user(lambda: source.build_model(num_layers=depth), source.source,
+                             f"building the model with num_layers={depth}")
+        if (not isinstance(reduced, torch.nn.Module)
+                or layer_signatures(reduced) != signatures[:depth]):
+            raise NotProvable(f"build_model(num_layers={depth}) does not build the first "
+                              f"{depth} layers of build_model()")
+        graph, ep = trace_program(reduced, inputs, name=source.name, source=source.source)
+    except InputError as e:  # the full trace reports the model's own errors
+        raise NotProvable(str(e)) from e
     return expand(graph, ep, kinds)
