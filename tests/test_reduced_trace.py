@@ -114,7 +114,7 @@ def test_expanded_graph_equals_full_trace(case):
         [(k.name, k.count, k.layers) for k in full.layer_kinds]
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "mixtral_8x7b", "gpt_moe",
+@pytest.mark.parametrize("case", ["deepseek_v3", "llama3_70b", "mixtral_8x7b", "gpt_moe",
                                   "qwen3_moe_sparse_step_2"])
 def test_plan_from_reduced_trace_equals_full(case):
     full, expanded, _ = _trace_both(CASES[case]())
