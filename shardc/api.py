@@ -74,7 +74,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress)
     wall_s = time.perf_counter() - t0
-    explanation = outcome.cost_model.explain(outcome.strategy)
+    breakdown = outcome.cost_model.simulate(outcome.strategy)
     mega = outcome.megatron
     baseline = {"megatron": {
         "degrees": (outcome.space.decode(mega.best_action).degrees.as_dict()
@@ -87,6 +87,6 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
     }
     plan = build_plan(graph=outcome.graph, strategy=outcome.strategy, mesh=mesh,
-                      hardware=hw.name, workload=workload, predicted=explanation.predicted,
+                      hardware=hw.name, workload=workload, predicted=breakdown.predicted,
                       baseline=baseline, search=search_info)
     return plan, outcome

@@ -7,7 +7,10 @@
 
 Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
 list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers}]``
-and ``params [{fqn, shape, placements, local_shape, stage}]`` (what every rank holds).
+and ``params [{fqn, shape, placements, local_shape, stage}]`` (what every rank holds);
+every ``nodes`` entry also has ``inputs`` (producer node names) and ``token_dims``, and its
+``shape`` is at the plan's workload (one decode step / one prefill pass of one replica, see
+:mod:`shardc.ir.token_dims`), not the traced example's.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from shardc.ir.strategy import (
     op_placements,
     residual_placement,
 )
+from shardc.text import number_or_dash, one_line
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schema" / "plan.schema.json"
@@ -73,17 +77,20 @@ class Plan:
         return {k["name"]: list(k["layers"]) for k in self.layer_kinds}
 
     def summary(self) -> str:
+        """Print and return a few lines: degrees, predicted tok/s/GPU, TPOT / TTFT (ms; "-"
+        where the phase does not predict it), memory (GB/GPU), and every op's choice."""
         d, p = self.degrees, self.predicted or {}
         deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp"))
-        lines = [f"{self.model.get('name')} on {self.mesh.get('gpus_per_node')}x"
-                 f"{self.mesh.get('nodes')} {self.mesh.get('hardware')}: {deg} "
+        lines = [f"{one_line(self.model.get('name'))} on {self.mesh.get('gpus_per_node')}x"
+                 f"{self.mesh.get('nodes')} {one_line(self.mesh.get('hardware'))}: {deg} "
                  f"batch={self.workload.get('batch')}"]
-        if p.get("tok_s_per_gpu") is not None:
-            lines.append(f"predicted {p['tok_s_per_gpu']:.1f} tok/s/GPU, TPOT "
-                         f"{p.get('tpot_ms', 0):.2f} ms, memory "
-                         f"{p.get('memory_gb_per_gpu', 0):.1f} GB/GPU")
+        if p.get("tok_s_per_gpu") is not None:  # TPOT is None in prefill, TTFT in decode
+            lines.append(f"predicted {number_or_dash(p['tok_s_per_gpu'], '.1f')} tok/s/GPU, "
+                         f"TPOT {number_or_dash(p.get('tpot_ms'), '.2f')} ms, "
+                         f"TTFT {number_or_dash(p.get('ttft_ms'), '.1f')} ms, memory "
+                         f"{number_or_dash(p.get('memory_gb_per_gpu'), '.1f')} GB/GPU")
         for o in self.ops:
-            lines.append(f"  {o['name']:<28} {o['choice']}")
+            lines.append(f"  {one_line(o['name']):<28} {o['choice']}")
         text = "\n".join(lines)
         print(text)
         return text
@@ -154,6 +161,24 @@ def op_rows(graph: Graph, strategy: Strategy, dims: list[str]) -> list[dict]:
     return rows
 
 
+def plan_nodes(graph: Graph, workload: dict) -> list[dict]:
+    """plan.json ``nodes``: every IR node with its placements, its inputs (node names), its
+    shape at the plan's workload (``workload``: plan.json's phase, batch, context, prompt;
+    see :mod:`shardc.ir.token_dims`) and which dims of it are token dims."""
+    from shardc.ir.token_dims import token_dims, traced_batch_seq, workload_shape, workload_sizes
+
+    tags = token_dims(graph)
+    traced = traced_batch_seq(graph)
+    sizes = workload_sizes(workload["phase"], workload["batch"], workload["context"],
+                           workload["prompt"])
+    return [{"name": n.name, "op": n.op,
+             "shape": workload_shape(n.output_shape, tags.get(n.name), traced, sizes),
+             "token_dims": list(tags.get(n.name) or [None] * len(n.output_shape)),
+             "inputs": list(n.inputs), "placements": list(n.placements or []),
+             "redistribute": n.redistribute, "stage": n.stage, "layer": n.layer,
+             "fused_op": n.fused_op, "layer_kind": n.layer_kind} for n in graph.nodes]
+
+
 def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str,
                workload: Workload, predicted: dict | None = None, baseline: dict | None = None,
                search: dict | None = None, annotated: bool | None = None) -> Plan:
@@ -177,10 +202,7 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     wl = dict(phase=workload.phase, batch=int(strategy.batch), context=int(workload.context),
               prompt=int(workload.prompt), tpot_slo_ms=float(workload.tpot_slo_ms),
               ttft_slo_ms=float(workload.ttft_slo_ms))
-    nodes = [{"name": n.name, "op": n.op, "shape": list(n.output_shape),
-              "placements": list(n.placements or []), "redistribute": n.redistribute,
-              "stage": n.stage, "layer": n.layer, "fused_op": n.fused_op,
-              "layer_kind": n.layer_kind} for n in g.nodes]
+    nodes = plan_nodes(g, wl)
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
         model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),

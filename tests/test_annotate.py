@@ -130,7 +130,7 @@ def test_repairs_agree_with_cost_model_explain():
         st = random_strategy(g, rng)
         deg = st.degrees
         st.degrees = Degrees(tp=deg.tp, ep=deg.ep, pp=deg.pp, sp=1, dp=8 // (deg.tp * deg.ep * deg.pp))
-        ex = CostModel(g, mesh, "h100", Workload(batch=8)).explain(st)
+        ex = CostModel(g, mesh, "h100", Workload(batch=8)).simulate(st)
         charged = Counter((lk, b, before, kind, dim) for lk, b, before, kind, dim, _s, ms in ex.collectives)
         a = annotate(g, st)
         marked = Counter()

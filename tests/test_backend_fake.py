@@ -138,7 +138,7 @@ def _expected_counts(graph, strategy, mesh: str, kind: str, modules_per_op: dict
     from shardc.cost import CostModel
 
     wl = Workload(phase="decode", batch=strategy.batch, context=4096)
-    ex = CostModel(graph, Mesh.parse(mesh), "h100", wl).explain(strategy)
+    ex = CostModel(graph, Mesh.parse(mesh), "h100", wl).simulate(strategy)
     ops = [o for b in BRANCHES.values() for o in b]
     out: Counter = Counter()
     for lk, branch, before, coll, dim, _bytes, _ms in ex.collectives:

@@ -38,13 +38,6 @@ def test_malformed_mesh_strings_exit_2(capsys, mesh):
     assert "GxN" in err
 
 
-def test_mesh_message_names_expected_form(capsys):
-    code, err = run_cli(capsys, "compile", TINY, "--mesh", "8*128")
-    assert code == 2
-    assert_one_line(err)
-    assert "GxN" in err
-
-
 def test_missing_model_file(capsys, tmp_path):
     code, err = run_cli(capsys, "compile", str(tmp_path / "nope.py"), "--mesh", "8x1")
     assert code == 2

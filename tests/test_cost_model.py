@@ -77,7 +77,7 @@ def test_evaluate_equals_explain_on_random_actions(name, mesh, wl):
     checked = 0
     for i in np.flatnonzero(legal)[:25]:
         s = space.decode(acts[i])
-        p = cm.explain(s).predicted
+        p = cm.simulate(s).predicted
         assert p["tok_s_per_gpu"] == pytest.approx(ev.tok_s_per_gpu[i], rel=1e-12)
         assert p["memory_gb_per_gpu"] == pytest.approx(ev.memory_gb_per_gpu[i], rel=1e-12)
         lat = p["tpot_ms"] if w.phase == "decode" else p["ttft_ms"]
@@ -115,7 +115,7 @@ def test_megatron_llama_tp8_is_feasible_and_sane():
     assert ev.feasible[0]
     # weights (17.6 GB/GPU) + KV of 64 x 4096 tokens read per step: ~10-40 ms per token
     assert 10 < ev.tpot_ms[0] < 40
-    ex = cm.explain(space.decode(a))
+    ex = cm.simulate(space.decode(a))
     kinds = {c[3] for c in ex.collectives}
     assert kinds == {"all_reduce", "all_gather"}  # attn/mlp/embedding AR, lm_head AG
 
@@ -155,7 +155,7 @@ def test_chrome_trace_lanes_per_stage():
     x = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     assert {e["tid"] for e in x} == set(range(s.degrees.pp))
     assert {e["cat"] for e in x} == {"compute", "comm"}
-    ex = cm.explain(s)
+    ex = cm.simulate(s)
     first = [e for e in x if e["tid"] == 0 and e["args"]["microbatch"] == 0]
     dur = sum(e["dur"] for e in first) / 1e3
     send = ex.totals["pp_send_ms"]
@@ -202,6 +202,6 @@ def test_weights_alone_over_hbm_is_infeasible(seed):
     acts = acts[space.degrees_valid(acts)]
     ev = cm.evaluate(acts, space)
     for i, a in enumerate(acts):
-        mem = cm.explain(space.decode(a)).memory
+        mem = cm.simulate(space.decode(a)).memory
         if mem["weights_gb"] * 1e9 > cm.hw.hbm_gb * 1e9:
             assert not ev.feasible[i]

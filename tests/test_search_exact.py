@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from shardc.cost import CostModel
-from shardc.ir.space import StrategySpace
+from shardc.ir.space import StrategySpace, megatron_op_choices
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search import cost_model_objective, run_search
-from shardc.search.exact_decomposed import _degree_rows, term_tables
-from shardc.search.legal import LegalSampler
+from shardc.search.exact_decomposed import _degree_rows
+from shardc.search.legal import N_DEG, LegalSampler
 from shardc.search.synthetic import toy_graph
 
 
@@ -33,17 +33,22 @@ def test_decomposed_exact_equals_brute_force(phase, batch):
     assert fast.best_action[0] > 0  # not the trivial tp=1 corner
 
 
-def test_term_tables_match_the_cost_models_branch_tables():
+def test_branch_terms_at_a_row_sum_to_the_cost_models_step():
+    """The decomposition's terms, composed at Megatron's choices, give the latency the cost
+    model itself reports (an independent path: evaluate() does not use the terms)."""
     space, obj = problem("decode", 64)
     cm = obj.cost_model
     rows = _degree_rows(LegalSampler(space))
-    terms = term_tables(cm, space, rows)
     for d in (0, len(rows) // 2, len(rows) - 1):
-        ref = cm.branch_tables(rows[d], space)
-        for mine, theirs in zip(terms, ref.terms):
-            assert (mine["kind"], mine["branch"]) == (theirs.kind, theirs.branch)
-            np.testing.assert_allclose(mine["time"][d] * 1e3, theirs.time_ms, rtol=1e-12)
-            np.testing.assert_array_equal(mine["legal"][d], theirs.legal)
+        tables = cm.branch_tables(rows[d], space)
+        action = np.concatenate([rows[d], megatron_op_choices(space, int(rows[d][0]))])
+        selection = {}
+        for t in tables.terms:
+            chosen = [int(action[N_DEG + space.op_slots.index(s)]) for s in t.slots]
+            selection[(t.kind, t.branch)] = int(np.flatnonzero((t.combos == chosen).all(axis=1))[0])
+        ev = cm.evaluate(action[None, :], space)
+        assert tables.compose(selection)["latency_ms"] == pytest.approx(float(ev.tpot_ms[0]),
+                                                                        rel=1e-9)
 
 
 def test_batch_pruning_keeps_the_optimum_and_saves_evaluations():

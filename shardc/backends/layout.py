@@ -79,9 +79,8 @@ def layer_of(fqn: str) -> int | None:
 
 
 def spmd_dims(degrees: Degrees) -> list[str]:
-    """Names of the logical mesh dims that shard tensors (the logical mesh minus pp)."""
-    shape, names = degrees.logical_mesh()
-    return [n for n, s in zip(names, shape) if n != "pp" and s > 1]
+    """Names of the logical mesh dims that shard tensors (:meth:`Degrees.spmd_dims`)."""
+    return degrees.spmd_dims()
 
 
 def choice_key(op: str, layer_kind: str | None) -> str:

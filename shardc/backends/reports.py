@@ -18,32 +18,80 @@ from tabulate import tabulate
 from shardc.errors import InputError
 
 
-def graph_table(nodes: list[dict]) -> str:
-    """graph.txt: one row per IR node: node, op, shape, placements, collective inserted."""
+def graph_table(nodes: list[dict], note: str = "") -> str:
+    """graph.txt: one row per IR node (plan.json ``nodes``): node, op, shape (token dims
+    tagged, see :func:`shardc.ir.token_dims.shape_text`), placements, collective inserted;
+    ``note`` (e.g. which workload the shapes are at) goes first, as a ``#`` line."""
+    from shardc.ir.token_dims import shape_text
+
     rows = []
     for n in nodes:
         red = n.get("redistribute") or {}
         coll = ""
         if red:
             coll = f"{red.get('collective')}@{red.get('mesh_dim')} {int(red.get('bytes', 0))} B"
-        rows.append([n["name"], n["op"], "x".join(str(s) for s in n.get("shape") or []),
+        rows.append([n["name"], n["op"], shape_text(n.get("shape"), n.get("token_dims")),
                      " ".join(n.get("placements") or []), coll])
-    return tabulate(rows, headers=["node", "op", "shape", "placements", "collective inserted"],
-                    tablefmt="plain") + "\n"
+    head = "".join(f"# {line}\n" for line in note.splitlines())
+    return head + tabulate(rows, headers=["node", "op", "shape", "placements",
+                                          "collective inserted"], tablefmt="plain") + "\n"
 
 
-def graph_dot(graph) -> str:
-    """graph.dot: nodes labelled with op and placements; edges red where a collective is inserted."""
-    lines = ["digraph shardc {", "  rankdir=TB;", '  node [shape=box, fontname="monospace"];']
-    for n in graph.nodes:
-        label = f"{n.name}\\n{n.op}"
-        if n.placements:
-            label += "\\n" + " ".join(n.placements)
-        lines.append(f'  "{n.name}" [label="{label}"];')
-    for n in graph.nodes:
-        color = ' [color=red, label="%s"]' % n.redistribute["collective"] if n.redistribute else ""
-        for i in n.inputs:
-            lines.append(f'  "{i}" -> "{n.name}"{color};')
+def workload_note(workload: dict) -> str:
+    """Which shapes graph.txt / graph.dot show, for plan.json's ``workload``."""
+    if workload.get("phase") == "prefill":
+        at = (f"one prefill pass: batch {workload.get('batch')} x prompt "
+              f"{workload.get('prompt')} tokens")
+    else:
+        at = (f"one decode step: batch {workload.get('batch')} x 1 new token, KV context "
+              f"{workload.get('context')} tokens")
+    return (f"shapes at the plan's workload per model replica, {at}; token dims are tagged: "
+            "(b) batch, (s) tokens per sequence, (t) flattened tokens, (kv) key positions")
+
+
+def dot_text(text: object) -> str:
+    """``text`` as the inside of a DOT quoted string, whatever it contains: quotes,
+    backslashes, ``&`` and control characters become HTML entities (which Graphviz decodes
+    in labels), so no input can end the string or inject attributes; a newline becomes a
+    DOT line break."""
+    out = []
+    for ch in str(text):
+        if ch == "\n":
+            out.append("\\n")
+        elif ch in '"\\&<>' or ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"&#{ord(ch)};")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def graph_dot(name: str, nodes: list[dict], note: str = "") -> str:
+    """graph.dot / ``inspect --format dot``: one box per node (name, op [fused op], shape,
+    placements), an edge from each listed input; red edges where a collective is inserted.
+    ``nodes`` are plan.json-style dicts (``name``, ``op``, ``shape``, ``token_dims``,
+    ``inputs``, ``placements``, ``redistribute``, ``fused_op``). Node IDs are ``n<index>``
+    and every label (the graph's ``name``, ``note`` as its caption) goes through
+    :func:`dot_text`."""
+    from shardc.ir.token_dims import shape_text
+
+    ids = {n["name"]: f"n{i}" for i, n in enumerate(nodes)}
+    lines = [f'digraph "{dot_text(name)}" {{', "  rankdir=TB;",
+             '  node [shape=box, fontname="monospace", fontsize=10];']
+    if note:
+        lines.insert(1, f'  label="{dot_text(note)}"; labelloc=t;')
+    for n in nodes:
+        parts = [n["name"], n["op"] + (f" [{n['fused_op']}]" if n.get("fused_op") else ""),
+                 shape_text(n.get("shape"), n.get("token_dims"))]
+        if n.get("placements"):
+            parts.append(" ".join(n["placements"]))
+        label = "\\n".join(dot_text(p) for p in parts)
+        lines.append(f'  {ids[n["name"]]} [label="{label}"];')
+    for n in nodes:
+        red = n.get("redistribute")
+        attrs = (f' [color=red, label="{dot_text(red.get("collective", ""))}"]' if red else "")
+        for i in n.get("inputs") or []:
+            if i in ids:
+                lines.append(f"  {ids[i]} -> {ids[n['name']]}{attrs};")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

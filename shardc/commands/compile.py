@@ -9,6 +9,7 @@ from tabulate import tabulate
 
 from shardc.errors import InputError
 from shardc.ir.strategy import Workload
+from shardc.text import out_dir_name
 
 HELP = "Search the sharding of MODEL for a GPU mesh and emit plan.json + DTensor code."
 
@@ -62,7 +63,10 @@ def _progress_bar(budget: int, quiet: bool):
 
 
 def summary_table(plan) -> str:
-    """The short table printed after compile (SPEC section 3)."""
+    """The short table printed after compile (SPEC section 3); a number the phase does not
+    predict (TPOT in prefill, TTFT in decode) is shown as "-"."""
+    from shardc.text import number_or_dash
+
     d = plan.degrees
     pred = plan.predicted
     mega = (plan.baseline or {}).get("megatron") or {}
@@ -72,10 +76,10 @@ def summary_table(plan) -> str:
     deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
     rows = [
         ["degrees", f"{deg} batch={plan.workload['batch']}"],
-        ["predicted tok/s/GPU", f"{pred['tok_s_per_gpu']:.1f}"],
-        ["TPOT (ms)", f"{pred['tpot_ms']:.2f}"],
-        ["TTFT (ms)", f"{pred['ttft_ms']:.1f}" if pred.get("ttft_ms") is not None else "-"],
-        ["memory/GPU (GB)", f"{pred['memory_gb_per_gpu']:.1f}"],
+        ["predicted tok/s/GPU", number_or_dash(pred.get("tok_s_per_gpu"), ".1f")],
+        ["TPOT (ms)", number_or_dash(pred.get("tpot_ms"), ".2f")],
+        ["TTFT (ms)", number_or_dash(pred.get("ttft_ms"), ".1f")],
+        ["memory/GPU (GB)", number_or_dash(pred.get("memory_gb_per_gpu"), ".1f")],
         ["vs Megatron heuristic", ratio or "-"],
     ]
     if plan.search.get("chosen_from") == "megatron" and plan.search.get("policy") != "megatron":
@@ -86,7 +90,7 @@ def summary_table(plan) -> str:
 
 def run(args) -> int:
     import shardc.api as api
-    from shardc.backends.reports import graph_dot, graph_table, write_outputs
+    from shardc.backends.reports import graph_dot, graph_table, workload_note, write_outputs
 
     model_path = Path(args.model)
     workload = workload_from_args(args)
@@ -98,14 +102,14 @@ def run(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    out = Path(args.out) if args.out else Path("shardc_out") / plan.model["name"]
+    out = Path(args.out) if args.out else Path("shardc_out") / out_dir_name(plan.model["name"])
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
-        "graph.txt": graph_table(plan.nodes),
-        "graph.dot": graph_dot(outcome.graph),
+        "graph.txt": graph_table(plan.nodes, workload_note(plan.workload)),
+        "graph.dot": graph_dot(plan.model["name"], plan.nodes, workload_note(plan.workload)),
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
-        "search.png": lambda p: _plot(p, outcome),
+        "search.png": lambda p: _plot(p, outcome, plan),
     }
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
         files["parallelize.py"] = plan.code()
@@ -119,9 +123,14 @@ def run(args) -> int:
     return 0
 
 
-def _plot(path, outcome) -> None:
+def _plot(path, outcome, plan) -> str:
+    """search.png, titled with the model, mesh, workload and searcher of ``plan``."""
     from shardc.search import plot_search_curve
+    from shardc.search.plot import search_title
 
+    mesh = f"{plan.mesh['gpus_per_node']}x{plan.mesh['nodes']}"
+    title = search_title(plan.model["name"], mesh, plan.mesh["hardware"], plan.workload,
+                         plan.search["policy"], plan.search["budget"])
     curves = {outcome.searched.policy: outcome.searched.curve}
-    plot_search_curve(path, curves, megatron=outcome.megatron.best_value,
-                      exact=outcome.exact_value)
+    return plot_search_curve(path, curves, megatron=outcome.megatron.best_value,
+                             exact=outcome.exact_value, title=title)

@@ -16,6 +16,7 @@ from tabulate import tabulate
 
 from shardc.errors import InputError
 from shardc.ir.graph import FUSED_OP_NAMES, OP_KINDS, Graph, Node, Param
+from shardc.ir.token_dims import shape_text, token_dims, traced_batch_seq
 
 HELP = "Show the operator graph of a model: nodes, op kinds, shapes, fused ops, layer kinds."
 
@@ -56,7 +57,8 @@ def select_nodes(graph: Graph, layer: int | None = None, op: str | None = None) 
 
 
 def _shape(n: Node) -> str:
-    return "x".join(str(s) for s in n.output_shape) if n.output_shape else "-"
+    """The node's shape with its token dims tagged (``attrs["token_dims"]``)."""
+    return shape_text(n.output_shape, n.attrs.get("token_dims"))
 
 
 def _placements(n: Node) -> str:
@@ -76,35 +78,32 @@ def graph_json(graph: Graph, nodes: list[Node]) -> dict:
                    "dtype": n.dtype, "inputs": n.inputs, "params": [p.fqn for p in n.params],
                    "flops": n.flops, "bytes": n.bytes, "module_path": n.module_path,
                    "layer": n.layer, "fused_op": n.fused_op, "layer_kind": n.layer_kind,
-                   "placements": n.placements, "redistribute": n.redistribute}
+                   "placements": n.placements, "redistribute": n.redistribute,
+                   "token_dims": n.attrs.get("token_dims")}
                   for n in nodes],
     }
 
 
-def graph_dot(graph: Graph, nodes: list[Node]) -> str:
-    """Graphviz text: one box per node (name, op, shape), edges between listed nodes."""
-    shown = {n.name for n in nodes}
-    lines = [f'digraph "{graph.name}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
-    for n in nodes:
-        label = f"{n.name}\\n{n.op}" + (f" [{n.fused_op}]" if n.fused_op else "") + f"\\n{_shape(n)}"
-        if n.placements:
-            label += "\\n" + _placements(n)
-        lines.append(f'  "{n.name}" [label="{label}"];')
-    for n in nodes:
-        for i in n.inputs:
-            if i in shown:
-                lines.append(f'  "{i}" -> "{n.name}";')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+def graph_dot(graph: Graph, nodes: list[Node], note: str = "") -> str:
+    """Graphviz text of ``nodes`` (see :func:`shardc.backends.reports.graph_dot`): one box
+    per node, edges between listed nodes, labels escaped."""
+    from shardc.backends.reports import graph_dot as dot
+
+    return dot(graph.name, [{"name": n.name, "op": n.op, "shape": n.output_shape,
+                             "token_dims": n.attrs.get("token_dims"), "inputs": n.inputs,
+                             "placements": n.placements, "redistribute": n.redistribute,
+                             "fused_op": n.fused_op} for n in nodes], note)
 
 
-def graph_table(graph: Graph, nodes: list[Node], condensed: bool) -> str:
+def graph_table(graph: Graph, nodes: list[Node], condensed: bool, note: str = "") -> str:
     """Header (model, params, layer kinds) + node table; ``condensed`` hides views and all
     but the first layer of each layer kind."""
     head = [f"model {graph.name}: {graph.num_params:,} parameters ({graph.num_params:.4g}), "
             f"{graph.num_layers} layers, {len(graph.nodes)} nodes"]
     for k in graph.layer_kinds:
         head.append(f"  {k.name} x{k.count}: layers {_ranges(k.layers)}")
+    if note:
+        head.append(f"  {note}")
     for w in graph.warnings:
         head.append(f"  warning: {w}")
     if condensed:
@@ -166,7 +165,8 @@ def graph_from_plan(path: str) -> Graph:
     nodes = [Node(name=n["name"], op=n["op"], output_shape=list(n.get("shape") or []),
                   placements=list(n.get("placements") or []), redistribute=n.get("redistribute"),
                   stage=n.get("stage"), layer=n.get("layer"), fused_op=n.get("fused_op"),
-                  layer_kind=n.get("layer_kind")) for n in plan.nodes]
+                  layer_kind=n.get("layer_kind"), inputs=list(n.get("inputs") or []),
+                  attrs={"token_dims": n.get("token_dims")}) for n in plan.nodes]
     kinds = [LayerKind(name=k["name"], count=int(k["count"]), layers=list(k.get("layers", [])))
              for k in plan.layer_kinds]
     params = [Param(fqn=p["fqn"], shape=list(p["shape"])) for p in plan.params]
@@ -188,10 +188,21 @@ def _is_plan_file(path: str) -> bool:
 def run(args) -> int:
     from shardc.frontends import load_graph
 
-    if _is_plan_file(args.model):
+    if _is_plan_file(args.model):  # shapes at the plan's workload (plan.json nodes)
+        from shardc.backends.reports import workload_note
+        from shardc.plan import load_plan
+
         graph = graph_from_plan(args.model)
-    else:
+        note = workload_note(load_plan(args.model).workload)
+    else:  # shapes of the traced example, token dims tagged
         graph = load_graph(args.model, tiny=args.tiny)
+        tags = token_dims(graph)
+        for n in graph.nodes:
+            n.attrs["token_dims"] = tags.get(n.name)
+        batch, seq = traced_batch_seq(graph)
+        note = (f"shapes of the traced example, batch {batch} x {seq} tokens; token dims are "
+                "tagged: (b) batch, (s) tokens per sequence, (t) flattened tokens, (kv) key "
+                "positions")
     nodes = select_nodes(graph, args.layer, args.op)
     space = space_summary(graph, args.mesh, args.phase) if args.mesh else None
     if args.format == "json":
@@ -200,10 +211,10 @@ def run(args) -> int:
             doc["space"] = space
         text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
     elif args.format == "dot":
-        text = graph_dot(graph, nodes)
+        text = graph_dot(graph, nodes, note)
     else:
         condensed = not args.all and args.layer is None and args.op is None
-        text = graph_table(graph, nodes, condensed)
+        text = graph_table(graph, nodes, condensed, note)
         if space:
             deg = " ".join(f"{k}{v}" for k, v in space["degrees"].items())
             text = (f"strategy space on {space['mesh']}: {deg} x 3^{len(space['op_slots'])} op "

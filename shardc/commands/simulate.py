@@ -109,7 +109,9 @@ def report(ex) -> str:
 
 def run(args) -> int:
     from shardc.api import load_model_graph
-    from shardc.cost import CostModel, load_hardware, min_gpus_needed
+    from shardc.cost import CostModel, load_hardware
+    from shardc.cost.capacity import gpus_short_message
+    from shardc.cost.infeasible import rejection_detail
 
     mesh = Mesh.parse(args.mesh)
     workload = workload_from_args(args)
@@ -118,10 +120,9 @@ def run(args) -> int:
     if deg.sp > 1 and workload.phase != "prefill":
         raise InputError("--degrees sp: sequence parallel is only modelled in prefill")
     graph = load_model_graph(args.model)
-    need = min_gpus_needed(graph, workload, hw)
-    if need > mesh.gpus:
-        raise InfeasibleError(f"needs >= {need} GPUs to hold weights + KV cache; "
-                              f"mesh has {mesh.gpus}")
+    short = gpus_short_message(graph, workload, hw, mesh.gpus)
+    if short:
+        raise InfeasibleError(short)
     cm = CostModel(graph, mesh, hw, workload)
     space = StrategySpace(graph, mesh, workload)
     for name in ("tp", "ep", "pp"):
@@ -137,7 +138,7 @@ def run(args) -> int:
         score = np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)
         batch = space.values["batch"][int(np.argmax(score))] if ev.feasible.any() else 1
     strategy = Strategy(deg, int(batch), choices)
-    ex = cm.explain(strategy)
+    ex = cm.simulate(strategy)
     print(f"{graph.name} on {mesh} x {hw.name}, {workload.phase}, degrees "
           + " ".join(f"{k}={v}" for k, v in deg.as_dict().items()) + f", batch {batch}")
     print(report(ex))
@@ -157,5 +158,5 @@ def run(args) -> int:
         except OSError as e:
             raise InputError(f"--json {args.json}: cannot write ({e.strerror})") from None
     if not ex.feasible:
-        raise InfeasibleError(f"strategy infeasible: {ex.reason}")
+        raise InfeasibleError(f"strategy infeasible: {rejection_detail(cm, strategy)}")
     return 0

@@ -4,7 +4,7 @@ Public entry points::
 
     load_hardware(name_or_path) -> Hardware
     CostModel(graph, mesh, hardware, workload).evaluate(actions, space) -> Evaluation
-    CostModel.explain(strategy) / .chrome_trace(strategy) / .branch_tables(degrees, space)
+    CostModel.simulate(strategy) / .chrome_trace(strategy) / .branch_tables(degrees, space)
     min_gpus_needed(graph, workload, hardware) -> int
 """
 

@@ -36,7 +36,10 @@ MODE_EXPONENTS = np.array([
     [1, 1, 0, 1, 1],  # replicated weight, tokens (sequences) split over the tp group
 ], dtype=np.int64)
 
-_SHARD_MODE = {"col": 0, "vocab": 0, "hidden": 0, "row": 1, "heads": 2, "batch": 4}
+SHARD_OUT, SHARD_IN, SHARD_BOTH, REPLICATED, TOKEN_SPLIT = range(len(MODES))
+
+_SHARD_MODE = {"col": SHARD_OUT, "vocab": SHARD_OUT, "hidden": SHARD_OUT, "row": SHARD_IN,
+               "heads": SHARD_BOTH, "batch": TOKEN_SPLIT}
 RESIDUALS = ("R", "S(0)")
 
 
@@ -44,7 +47,7 @@ def op_mode(op: str, choice: int, need: str) -> int:
     """Execution mode of ``op`` at ``choice`` given the placement it consumes."""
     name = choice_name(op, choice)
     if name == "rep":
-        return 4 if need == "S(0)" else 3
+        return TOKEN_SPLIT if need == "S(0)" else REPLICATED
     return _SHARD_MODE[name]
 
 
@@ -98,3 +101,21 @@ def branch_table(branch: str, ops: tuple[str, ...]) -> BranchTable:
                 cur = produced
             colls[idx, r, m] = at.get("<end>", 0)
     return BranchTable(branch, tuple(ops), modes, colls, walks)
+
+
+NEEDS_TOKENS_SPLIT = 1  # some op runs token-split over tp: tokens % tp == 0
+NEEDS_SEQUENCES_SPLIT = 2  # batch-split attention: sequences % tp == 0
+
+
+def split_requirements(branch: str, fops, modes: np.ndarray) -> np.ndarray:
+    """Divisibility a branch's op modes ``[..., m]`` impose, as a bit set per combination
+    (:data:`NEEDS_TOKENS_SPLIT` | :data:`NEEDS_SEQUENCES_SPLIT`). Expert tokens are routed,
+    not split over tp sequences, so the ``experts`` branch needs neither."""
+    needs = np.zeros(modes.shape[:-1], dtype=np.int64)
+    if branch == "experts":
+        return needs
+    needs |= np.where((modes == TOKEN_SPLIT).any(axis=-1), NEEDS_TOKENS_SPLIT, 0)
+    for j, f in enumerate(fops):
+        if f.name == "attn_core":
+            needs |= np.where(modes[..., j] == TOKEN_SPLIT, NEEDS_SEQUENCES_SPLIT, 0)
+    return needs

@@ -33,3 +33,17 @@ def min_gpus_needed(graph: Graph, workload: Workload, hardware: Hardware | str) 
     hw = load_hardware(hardware)
     w, kv = weight_and_kv_bytes(graph, workload)
     return max(1, math.ceil((w + kv) / hw.usable_hbm_bytes))
+
+
+def gpus_short_message(graph: Graph, workload: Workload, hardware: Hardware | str,
+                       gpus: int) -> str | None:
+    """The infeasibility line when even perfect sharding over ``gpus`` GPUs cannot hold the
+    weights + KV cache (GB = 1e9 bytes), else None."""
+    hw = load_hardware(hardware)
+    need = min_gpus_needed(graph, workload, hw)
+    if need <= gpus:
+        return None
+    w, kv = weight_and_kv_bytes(graph, workload)
+    return (f"needs >= {need} GPUs to hold weights + KV cache; mesh has {gpus} (weights "
+            f"{w / 1e9:.1f} GB + KV cache {kv / 1e9:.1f} GB; {hw.usable_hbm_bytes / 1e9:.1f} GB "
+            f"of HBM usable per GPU)")

@@ -40,6 +40,7 @@ from shardc.cost.hardware_presets import Hardware
 from shardc.cost.topology import CommGroup
 
 COLLECTIVE_KINDS = ("none", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+NO_COLLECTIVE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = range(len(COLLECTIVE_KINDS))
 
 
 def _parts(group: CommGroup):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardc.cost.branch_tables import split_requirements
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choices
 
 
@@ -85,34 +86,79 @@ class BranchTables:
                 "model_bytes": max(sm) + self.activation_bytes}
 
 
+@dataclass
+class BranchTermGrid:
+    """One (kind, branch) term at many degree rows: arrays ``[N_rows, n_combos]``."""
+
+    kind: str  # layer kind name, or "global"
+    branch: str
+    slots: list[str]
+    fops: list
+    combos: np.ndarray  # [n, m]
+    legal: np.ndarray  # [N, n] every choice unmasked at the row's tp
+    time_ms: np.ndarray  # [N, n] per layer, one micro-batch
+    weight_bytes: np.ndarray  # [N, n] per GPU per layer
+    kv_bytes: np.ndarray  # [N, n] per GPU per layer (0 for global terms)
+    needs: np.ndarray  # [N, n] split requirements (branch_tables.split_requirements bits)
+
+
+def _base_actions(space: StrategySpace, degree_rows: np.ndarray) -> np.ndarray:
+    """Degree rows completed with Megatron's op choices at their tp."""
+    tp_col = DEGREE_COMPONENTS.index("tp")
+    ops = {t: megatron_op_choices(space, int(t)) for t in np.unique(degree_rows[:, tp_col])}
+    return np.array([np.concatenate([d, ops[d[tp_col]]]) for d in degree_rows], dtype=np.int64)
+
+
+def branch_term_grid(cm, space: StrategySpace, degree_rows, chunk: int = 65536
+                     ) -> list[BranchTermGrid]:
+    """Every (kind, branch) term of the cost model at every row of ``degree_rows``
+    (``[N, 5]`` degree/batch indices), other slots held at Megatron's choices; one
+    vectorised simulator call per term (and chunk)."""
+    rows = np.atleast_2d(np.asarray(degree_rows, dtype=np.int64))[:, : len(DEGREE_COMPONENTS)]
+    base = _base_actions(space, rows)
+    col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
+    residual = (space.degree_arrays(base)["sp"] > 1).astype(np.int64)
+    masks = space.op_masks(rows[:, DEGREE_COMPONENTS.index("tp")])  # [N, slots, 3]
+    nd = len(rows)
+    groups = [(ki, k.name, k.branches) for ki, k in enumerate(cm.kinds)]
+    groups.append((None, "global", cm.globals))
+    out = []
+    for ki, kname, branches in groups:
+        for bi, (bname, fops, table, slots) in enumerate(branches):
+            combos = table.combos()
+            n = len(combos)
+            acts = np.repeat(base, n, axis=0)
+            for j, s in enumerate(slots):
+                acts[:, col[s]] = np.tile(combos[:, j], nd)
+            time_s, wbytes, kvbytes = (np.empty(nd * n) for _ in range(3))
+            for i in range(0, len(acts), chunk):
+                r = cm._simulate(acts[i:i + chunk], space)
+                bc = r["kinds"][ki][1][bi][4] if ki is not None else r["glob"][bname][4]
+                time_s[i:i + chunk] = bc.time_s
+                wbytes[i:i + chunk] = bc.weight_bytes
+                kvbytes[i:i + chunk] = bc.kv_bytes if ki is not None else 0.0
+            legal = np.ones((nd, n), dtype=bool)
+            for j, s in enumerate(slots):
+                legal &= masks[:, space.op_slots.index(s), :][:, combos[:, j]]
+            modes = table.modes[np.arange(n)[None, :], residual[:, None]]  # [N, n, m]
+            out.append(BranchTermGrid(kname, bname, list(slots), list(fops), combos, legal,
+                                      time_s.reshape(nd, n) * 1e3, wbytes.reshape(nd, n),
+                                      kvbytes.reshape(nd, n),
+                                      split_requirements(bname, fops, modes)))
+    return out
+
+
 def branch_tables(cm, degree_action, space: StrategySpace) -> BranchTables:
     """Enumerate every (kind, branch) term at the degrees/batch of ``degree_action``
     (5 ints: tp, ep, pp, sp, batch indices); other slots held at Megatron's choices."""
     d = np.asarray(degree_action, dtype=np.int64)[: len(DEGREE_COMPONENTS)]
-    base = np.concatenate([d, megatron_op_choices(space, int(d[0]))])
-    col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
     pp = int(space.values["pp"][d[2]])
     out = BranchTables(degree_action=d, pp=pp, phase=cm.workload.phase,
                        kind_names=[k.name for k in cm.kinds], counts=cm.stage_counts(pp))
-    groups = [(ki, k.name, k.branches) for ki, k in enumerate(cm.kinds)]
-    groups.append((None, "global", cm.globals))
-    first = None
-    for ki, kname, branches in groups:
-        for bi, (bname, _fops, table, slots) in enumerate(branches):
-            combos = table.combos()
-            acts = np.repeat(base[None, :], len(combos), axis=0)
-            for j, s in enumerate(slots):
-                acts[:, col[s]] = combos[:, j]
-            r = cm._simulate(acts, space)
-            first = first or r
-            bc = r["kinds"][ki][1][bi][4] if ki is not None else r["glob"][bname][4]
-            masks = space.op_masks(acts[:, 0])
-            legal = np.ones(len(combos), dtype=bool)
-            for j, s in enumerate(slots):
-                legal &= masks[np.arange(len(combos)), space.op_slots.index(s), combos[:, j]]
-            out.terms.append(BranchTerm(kname, bname, list(slots), combos, legal,
-                                        bc.time_s * 1e3, bc.weight_bytes.copy(),
-                                        bc.kv_bytes.copy()))
+    for t in branch_term_grid(cm, space, d[None, :]):
+        out.terms.append(BranchTerm(t.kind, t.branch, t.slots, t.combos, t.legal[0],
+                                    t.time_ms[0], t.weight_bytes[0], t.kv_bytes[0]))
+    first = cm._simulate(_base_actions(space, d[None, :]), space)
     for ki, k in enumerate(cm.kinds):
         out.norms_ms[k.name] = float(first["kinds"][ki][2][0]) * 1e3
         out.other_bytes[k.name] = float(k.other_params * cm.weight_bytes)

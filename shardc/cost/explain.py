@@ -1,6 +1,6 @@
 """Explain one strategy: per-op rows, collectives, stages, memory, and a Chrome trace.
 
-:func:`explain` runs the same vectorised code as :meth:`CostModel.evaluate` on a batch of
+:func:`simulate` runs the same vectorised code as :meth:`CostModel.evaluate` on a batch of
 one, with detail recording on, so its totals are the evaluated numbers exactly.
 Per-op and per-collective times are for ONE micro-batch through ONE layer (ms); ``count``
 is the number of layers of that kind in the model.
@@ -15,13 +15,15 @@ import numpy as np
 
 from shardc.cost.branch_tables import MODES
 from shardc.cost.collectives import COLLECTIVE_KINDS
-from shardc.ir.strategy import Strategy, choice_name
+from shardc.ir.strategy import Strategy, choice_name, stage_layer_ranges
 
 MAX_TRACE_MICROBATCHES = 16
 
 
 @dataclass
-class Explanation:
+class Breakdown:
+    """One strategy simulated: what :meth:`CostModel.simulate` returns."""
+
     strategy: Strategy
     ops: list[dict] = field(default_factory=list)
     # (layer_kind, branch, before_op, kind, mesh_dim, bytes_full, ms); ep all-to-all bytes
@@ -70,11 +72,11 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
     return segs
 
 
-def explain(cm, strategy: Strategy) -> Explanation:
+def simulate(cm, strategy: Strategy) -> Breakdown:
     r = _simulate_one(cm, strategy)
     ev = r["ev"]
     deg = strategy.degrees
-    ex = Explanation(strategy, feasible=bool(ev.feasible[0]), reason=ev.reason_text(0))
+    ex = Breakdown(strategy, feasible=bool(ev.feasible[0]), reason=ev.reason_text(0))
     pp = deg.pp
     counts = cm.stage_counts(pp)
     stage_t = r["stage_t"][0, :pp]
@@ -149,8 +151,7 @@ def chrome_trace(cm, strategy: Strategy) -> dict:
     glob = {name: _layer_segments("global", [br], np.zeros(1))[1:]
             for name, br in r["glob"].items()}
     order = cm._layer_kind
-    L = len(order)
-    bounds = [(s * L) // pp for s in range(pp + 1)]
+    stage_layers = stage_layer_ranges(len(order), pp)
     tick = _f(r["tick"])
     send = _f(r["send"])
     micro = pp if cm.workload.phase == "decode" else int(round(_f(r["micro"])))
@@ -163,7 +164,7 @@ def chrome_trace(cm, strategy: Strategy) -> dict:
         for s in range(pp):
             t = (mb + s) * tick
             segs = list(glob.get("embedding", [])) if s == 0 else []
-            for layer in range(bounds[s], bounds[s + 1]):
+            for layer in stage_layers[s]:
                 segs += [(f"L{layer} {n}", c, d) for n, c, d in kind_segs[order[layer]]]
             if s == pp - 1:
                 segs += glob.get("lm_head", [])
@@ -175,7 +176,7 @@ def chrome_trace(cm, strategy: Strategy) -> dict:
                 events.append({"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": s,
                                "ts": t * 1e6, "dur": dur * 1e6, "args": {"microbatch": mb}})
                 t += dur
-    pred = explain(cm, strategy).predicted
+    pred = simulate(cm, strategy).predicted
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"micro_batches": micro, "shown_micro_batches": shown,
                           "tok_s_per_gpu": pred["tok_s_per_gpu"], "tpot_ms": pred["tpot_ms"],

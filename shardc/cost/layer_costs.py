@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost import collectives as coll
-from shardc.cost.branch_tables import MODE_EXPONENTS, BranchTable
+from shardc.cost.branch_tables import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT, BranchTable
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.graph import FusedOp
@@ -151,7 +151,7 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     split_heads = bool(a.get("kv_cache_split_by_heads", True))
     # fraction of each sequence's KV cache held (and read) per GPU, by mode
     head_frac = 1.0 / np.minimum(b.tp, kv_heads) if split_heads else np.ones_like(b.tp, dtype=float)
-    kv_frac = np.where(mode == 2, head_frac, np.where(mode == 4, 1.0 / b.tp, 1.0))
+    kv_frac = np.where(mode == SHARD_BOTH, head_frac, np.where(mode == TOKEN_SPLIT, 1.0 / b.tp, 1.0))
     out_width = op_out_width(fop)
     act = b.tokens * (in_width / d_in + out_width / d_out) * b.act_bytes
     if b.phase == "decode":
@@ -173,7 +173,8 @@ def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw) -> np.ndarray:
     base = hw.collective_base_us * 1e-6
     ar = np.where(group.size > 1, 2 * ag - base, 0.0)  # all_reduce = 2 x (AG - a0) + a0
     a2a = coll.all_to_all(S / group.size, group, hw)
-    return np.select([kind == 1, kind == 2, kind == 3, kind == 4], [ag, ag, ar, a2a], 0.0)
+    return np.select([kind == coll.ALL_GATHER, kind == coll.REDUCE_SCATTER,
+                      kind == coll.ALL_REDUCE, kind == coll.ALL_TO_ALL], [ag, ag, ar, a2a], 0.0)
 
 
 def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.ndarray,

@@ -35,14 +35,19 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from shardc.cost.branch_tables import branch_table
+from shardc.cost.branch_tables import (
+    NEEDS_SEQUENCES_SPLIT,
+    NEEDS_TOKENS_SPLIT,
+    branch_table,
+    split_requirements,
+)
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
 from shardc.cost.topology import mesh_groups
 from shardc.errors import InputError
 from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
-from shardc.ir.strategy import BRANCHES, Mesh, Strategy, Workload
+from shardc.ir.strategy import BRANCHES, Mesh, Strategy, Workload, stage_layer_ranges
 
 # reason codes of an infeasible strategy (0 = feasible), checked in this order
 REASONS = {
@@ -154,13 +159,12 @@ class CostModel:
         return order
 
     def stage_counts(self, pp: int) -> np.ndarray:
-        """[pp, n_kinds] layers of each kind on each stage (contiguous, balanced split)."""
+        """[pp, n_kinds] layers of each kind on each stage
+        (:func:`shardc.ir.strategy.stage_layer_ranges`, the split the backend deploys)."""
         if pp not in self._stage_cache:
-            L = len(self._layer_kind)
-            bounds = [(s * L) // pp for s in range(pp + 1)]
             c = np.zeros((pp, len(self.kinds)), dtype=np.float64)
-            for s in range(pp):
-                for kind in self._layer_kind[bounds[s]:bounds[s + 1]]:
+            for s, layers in enumerate(stage_layer_ranges(len(self._layer_kind), pp)):
+                for kind in self._layer_kind[layers.start:layers.stop]:
                     c[s, kind] += 1
             self._stage_cache[pp] = c
         return self._stage_cache[pp]
@@ -220,12 +224,9 @@ class CostModel:
                 modes = table.modes[combo, residual]
                 res.append((bname, fops, table, combo, bc))
                 nonlocal split_ok
-                if bname != "experts":  # expert tokens are not split over tp sequences
-                    ts = (modes == 4).any(axis=1)
-                    split_ok &= ~ts | (tok_int % tp == 0)
-                    for j, f in enumerate(fops):
-                        if f.name == "attn_core":
-                            split_ok &= (modes[:, j] != 4) | (seq_int % tp == 0)
+                needs = split_requirements(bname, fops, modes)
+                split_ok &= ((needs & NEEDS_TOKENS_SPLIT) == 0) | (tok_int % tp == 0)
+                split_ok &= ((needs & NEEDS_SEQUENCES_SPLIT) == 0) | (seq_int % tp == 0)
             return res
 
         kinds_out = []
@@ -318,17 +319,26 @@ class CostModel:
         """A strategy space whose batch candidates are exactly ``strategy.batch``."""
         return StrategySpace(self.graph, self.mesh, replace(self.workload, batch=strategy.batch))
 
-    def explain(self, strategy: Strategy):
-        """Per-op breakdown of one strategy; see :mod:`shardc.cost.explain`."""
-        from shardc.cost.explain import explain
+    def simulate(self, strategy: Strategy):
+        """One strategy's :class:`~shardc.cost.explain.Breakdown`: predicted numbers (ms,
+        tokens/s/GPU, GB), per-op and per-collective rows, stage times, memory -- the same
+        vectorised code as :meth:`evaluate` on a batch of one (:mod:`shardc.cost.explain`)."""
+        from shardc.cost.explain import simulate
 
-        return explain(self, strategy)
+        return simulate(self, strategy)
 
     def chrome_trace(self, strategy: Strategy) -> dict:
         """The simulated step as Chrome-trace JSON (one lane per pipeline stage)."""
         from shardc.cost.explain import chrome_trace
 
         return chrome_trace(self, strategy)
+
+    def branch_term_grid(self, degree_rows, space: StrategySpace):
+        """Every (kind x branch) cost term at many degree rows; see
+        :func:`shardc.cost.decomposition.branch_term_grid` (used by the exact solver)."""
+        from shardc.cost.decomposition import branch_term_grid
+
+        return branch_term_grid(self, space, degree_rows)
 
     def branch_tables(self, degree_action, space: StrategySpace):
         """Per-(layer kind x branch) cost tables at fixed degrees; see

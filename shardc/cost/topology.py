@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardc.ir.strategy import MESH_DIM_ORDER
+
 
 @dataclass
 class CommGroup:
@@ -54,11 +56,13 @@ def comm_group(size, stride, gpus_per_node: int) -> CommGroup:
 
 
 def mesh_groups(tp, ep, dp, pp, gpus_per_node: int) -> dict[str, CommGroup]:
-    """The communicator of every logical mesh dim, for arrays of degrees."""
-    tp, ep, dp, pp = (np.asarray(x, dtype=np.int64) for x in (tp, ep, dp, pp))
-    return {
-        "tp": comm_group(tp, 1, gpus_per_node),
-        "ep": comm_group(ep, tp, gpus_per_node),
-        "dp": comm_group(dp, tp * ep, gpus_per_node),
-        "pp": comm_group(pp, tp * ep * np.maximum(dp, 1), gpus_per_node),
-    }
+    """The communicator of every logical mesh dim, for arrays of degrees. Strides follow
+    :data:`shardc.ir.strategy.MESH_DIM_ORDER` (a dim's stride is the product of the dims
+    inside it), the order the backend builds its device mesh in."""
+    sizes = {"tp": tp, "ep": ep, "dp": np.maximum(dp, 1), "pp": pp}
+    groups, stride = {}, np.int64(1)
+    for name in reversed(MESH_DIM_ORDER):  # innermost first
+        size = np.asarray(sizes[name], dtype=np.int64)
+        groups[name] = comm_group(size, stride, gpus_per_node)
+        stride = stride * size
+    return groups

@@ -32,8 +32,8 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
 
     ``tiny`` traces the file's ``tiny_model()`` instead of the full-size ``build_model()``.
     A model file's graph is served from the on-disk cache when its key (file contents,
-    sibling ``.py`` files, ``tiny``, shardc / torch / transformers versions, frontend and
-    passes code) matches a stored entry.
+    ``tiny``, shardc / torch / transformers versions, frontend and passes code) matches a
+    stored entry and the source files the model imported when it was traced are unchanged.
     Raises :class:`InputError` (one line) for a missing or malformed model."""
     p = Path(path)
     if p.suffix == ".onnx":
@@ -52,17 +52,17 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
         if cached is not None:
             cached.source = str(p)  # the same file reached by another path string
             return cached
+    from shardc.frontends.imports import recording_imports
     from shardc.frontends.model_file import load_model_file  # imports torch: after the cache
 
-    src = load_model_file(p)
-    model, inputs = src.build(tiny=tiny)
-    graph = None
-    if not tiny:
-        graph = _reduced_depth_graph(src, model, inputs)
-    if graph is None:
-        graph = graph_from_module(model, inputs, name=src.name, source=src.source)
+    with recording_imports() as imported:
+        src = load_model_file(p)
+        model, inputs = src.build(tiny=tiny)
+        graph = None if tiny else _reduced_depth_graph(src, model, inputs)
+        if graph is None:
+            graph = graph_from_module(model, inputs, name=src.name, source=src.source)
     if key is not None:
-        graph_cache.store_entry(key, graph)
+        graph_cache.store_entry(key, graph, deps=imported)
     return graph
 
 

@@ -6,12 +6,17 @@ gzip-compressed, in ``$SHARDC_CACHE_DIR`` (default ``~/.cache/shardc/graphs``), 
 the sha256 of (each part length-prefixed):
 
 * the model file's bytes and its name and folder name (a ``config.json`` takes its model
-  name from them), and the bytes of every ``.py`` file in the model file's folder (model
-  files import their siblings);
+  name from them);
 * the ``tiny`` flag;
 * ``shardc.__version__``, the torch and transformers versions (they decide the trace);
 * the bytes of every ``.py`` file under ``shardc/frontends`` and ``shardc/passes`` and of
   ``shardc/ir/graph.py`` (so a change to the frontend, the passes or the IR invalidates it).
+
+An entry also records the non-library source files the model code imported while it was
+built and traced (:func:`shardc.frontends.imports.recording_imports`: siblings, modules in
+sub-packages of the model's folder, packages elsewhere on ``sys.path``) with the sha256 of
+each; a lookup whose recorded files are missing or changed is a miss. So the key follows
+what the model file actually imported, not a guess at its folder.
 
 Writes are atomic (a temp file in the cache folder, then ``os.replace``); an entry that does
 not decompress or parse is ignored (and rewritten by the caller's next store); an unwritable
@@ -26,6 +31,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.metadata
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -76,8 +82,6 @@ def cache_key(path: str | Path, tiny: bool) -> str:
 
     part("model", p.read_bytes())
     part("model-name", f"{p.name}/{p.parent.name}".encode())
-    for f in sorted(p.parent.glob("*.py")):
-        part(f"sibling {f.name}", f.read_bytes())
     part("tiny", b"1" if tiny else b"0")
     part("versions", f"{shardc.__version__} {_version('torch')} {_version('transformers')}".encode())
     for f in _code_files():
@@ -89,12 +93,24 @@ def entry_path(key: str) -> Path:
     return cache_dir() / f"{key}.json.gz"
 
 
+def _file_digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def load_entry(key: str) -> Graph | None:
-    """The cached graph for ``key``, or None if absent or unreadable (corrupt entries are
-    ignored; the next :func:`store_entry` replaces them)."""
+    """The cached graph for ``key``, or None if absent, unreadable (corrupt entries are
+    ignored; the next :func:`store_entry` replaces them), or if a source file it recorded
+    as imported is missing or changed."""
     f = entry_path(key)
     try:
         with gzip.open(f, "rt", encoding="utf-8") as fh:
+            header = json.loads(fh.readline())
+            for path, digest in header["deps"]:
+                if _file_digest(path) != digest:
+                    return None
             return Graph.from_json(fh.read())
     except FileNotFoundError:
         return None
@@ -102,14 +118,19 @@ def load_entry(key: str) -> Graph | None:
         return None
 
 
-def store_entry(key: str, graph: Graph) -> Path | None:
-    """Write ``graph`` atomically as the entry for ``key``; None if the folder is unwritable."""
+def store_entry(key: str, graph: Graph, deps=()) -> Path | None:
+    """Write ``graph`` atomically as the entry for ``key``, recording the current sha256 of
+    each file in ``deps`` (the source files the model code imported); None if the folder is
+    unwritable."""
     folder = cache_dir()
     tmp = None
+    recorded = sorted((str(d), _file_digest(str(d))) for d in deps)
+    header = json.dumps({"deps": [[p, h] for p, h in recorded if h is not None]})
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json.gz", dir=folder)
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
+            fh.write(header.encode("utf-8") + b"\n")
             fh.write(graph.to_json().encode("utf-8"))
         os.replace(tmp, entry_path(key))
         _prune(folder)

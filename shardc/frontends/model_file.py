@@ -2,9 +2,11 @@
 
 A model file defines ``build_model() -> nn.Module`` and ``example_inputs() -> tuple`` and
 optionally ``tiny_model()`` / ``tiny_inputs()``; a ``build_model`` that takes ``num_layers``
-(build the first ``num_layers`` decoder layers only) lets ``load_graph`` trace a reduced depth. It is imported by path under a private
-module name; its directory is put on ``sys.path`` so that sibling helpers (e.g.
-``examples/gpt_moe.py``) import. A ``config.json`` is built with
+(build the first ``num_layers`` decoder layers only) lets ``load_graph`` trace a reduced
+depth. It is imported by path under a private
+module name; its directory is put first on ``sys.path`` so that sibling helpers (e.g.
+``examples/gpt_moe.py``) import, and helpers from that folder that an earlier load in the
+same process imported are imported afresh (an edited helper is never served stale). A ``config.json`` is built with
 ``AutoModelForCausalLM.from_config`` on the ``meta`` device in bfloat16 (sdpa attention,
 ``grouped_mm`` experts). Every failure is an :class:`InputError` with one line that names
 the file (and, when the model itself raises, the model's message and file:line).
@@ -24,6 +26,7 @@ from typing import Callable
 import torch
 
 from shardc.errors import InputError
+from shardc.frontends.imports import forget_folder_modules, user_code
 
 
 @dataclass
@@ -59,12 +62,17 @@ def _where(exc: BaseException) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     if not tb:
         return "?"
+    shardc_dir = str(Path(__file__).resolve().parents[1])
+    for frame in reversed(tb):  # the model's own frame, not importlib's or shardc's
+        if not frame.filename.startswith(("<", shardc_dir)):
+            return f"{frame.filename}:{frame.lineno}"
     return f"{tb[-1].filename}:{tb[-1].lineno}"
 
 
 def _call_user(fn: Callable, source: str, what: str):
     try:
-        return fn()
+        with user_code(source, f"{what} ({fn.__name__}())"):
+            return fn()
     except InputError:
         raise
     except Exception as e:  # the model's own error: one line with its message and location
@@ -95,12 +103,20 @@ def _load_python(p: Path) -> ModelSource:
         raise InputError(f"{p}: cannot import as a Python module")
     module = importlib.util.module_from_spec(spec)
     folder = str(p.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)  # the model's own helpers win, as under `python model.py`
+    forget_folder_modules(Path(folder))
     try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise InputError(f"{p}:{e.lineno}: syntax error: {e.msg}") from e
+        with user_code(str(p), "importing the model file"):
+            spec.loader.exec_module(module)
+    except InputError:
+        raise
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, SyntaxError) and e.lineno is not None:
+            raise InputError(f"{p}:{e.lineno}: syntax error: {e.msg}") from e
+        reason = e.msg if isinstance(e, SyntaxError) else str(e).splitlines()[0]
+        raise InputError(f"{p}: not a readable Python source file ({reason})") from e
     except Exception as e:
         raise InputError(f"{p}: importing failed: {type(e).__name__}: {e} (at {_where(e)})") from e
     sys.modules[mod_name] = module
@@ -118,6 +134,9 @@ def _load_python(p: Path) -> ModelSource:
     )
 
 
+_CODE_KEYS = ("auto_map", "trust_remote_code")  # config.json keys naming custom code
+
+
 def _load_hf_config(p: Path) -> ModelSource:
     try:
         data = json.loads(p.read_text())
@@ -127,6 +146,9 @@ def _load_hf_config(p: Path) -> ModelSource:
         raise InputError(f"{p}: not an HF config.json (no 'model_type' key)")
     from transformers import AutoConfig
 
+    # a config.json is data: keys that point transformers at custom code (auto_map ->
+    # module.Class, trust_remote_code) are dropped, so nothing is imported or run for it
+    data = {k: v for k, v in data.items() if k not in _CODE_KEYS}
     try:
         config = AutoConfig.for_model(**data)
     except Exception as e:

@@ -34,13 +34,18 @@ Raw IR, matching :mod:`shardc.frontends.torch_export`:
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 from pathlib import Path
 
 from shardc.errors import InputError
-from shardc.frontends.onnx_load import OnnxModel, Provenance, dtype_name, load_onnx
+from shardc.frontends.onnx_load import (
+    OnnxModel,
+    Provenance,
+    dtype_name,
+    literal_or,
+    load_onnx,
+)
 from shardc.frontends.onnx_ops import PARAM_VIEW_OPS, onnx_kind
 from shardc.frontends.torch_export import _PARAM_VIEW_OPS as _ATEN_VIEW_OPS
 from shardc.frontends.torch_export import layer_of
@@ -81,14 +86,8 @@ def _parse_fx_args(text: str) -> tuple[list, dict]:
         return [], {}
     quoted = _FX_REF.sub(lambda r: repr("%" + r.group(1)), m.group(1))
     quoted_kw = _FX_REF.sub(lambda r: repr("%" + r.group(1)), m.group(2))
-    try:
-        args = ast.literal_eval(quoted)
-    except (ValueError, SyntaxError):
-        args = ()
-    try:
-        kwargs = ast.literal_eval(quoted_kw)
-    except (ValueError, SyntaxError):
-        kwargs = {}
+    args = literal_or(quoted, ())
+    kwargs = literal_or(quoted_kw, {})
     args = args if isinstance(args, tuple) else (args,)
     scalars = [a for a in args if isinstance(a, (int, float, bool))]
     kw = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool))

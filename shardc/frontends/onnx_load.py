@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+import onnx.inliner  # a submodule: "import onnx" alone does not load it
 from onnx import TensorProto, shape_inference
 
 from shardc.errors import InputError
@@ -44,9 +45,14 @@ _FX_HEAD = re.compile(r"^%(\S+)\s*:.*?target=([^\]]+)\]")
 
 
 def dtype_name(elem_type: int) -> str:
-    """ONNX element type -> torch's dtype name (``TensorProto.BFLOAT16`` -> ``"bfloat16"``)."""
-    return _DTYPE_NAMES.get(elem_type, onnx.helper.tensor_dtype_to_string(elem_type)
-                            .replace("TensorProto.", "").lower())
+    """ONNX element type -> torch's dtype name (``TensorProto.BFLOAT16`` -> ``"bfloat16"``);
+    ``""`` when unknown (0: the output of a custom-domain op shape inference cannot type)."""
+    if elem_type in _DTYPE_NAMES:
+        return _DTYPE_NAMES[elem_type]
+    try:
+        return onnx.helper.tensor_dtype_to_string(elem_type).replace("TensorProto.", "").lower()
+    except (KeyError, ValueError):
+        return ""
 
 
 @dataclass
@@ -103,22 +109,57 @@ class OnnxModel:
             prov.fx_args = fx[m.end():]
         scopes = meta.get("pkg.torch.onnx.name_scopes", "")
         if scopes:
-            try:
-                names = ast.literal_eval(scopes)
-            except (ValueError, SyntaxError):
+            names = literal_or(scopes, [])
+            if not isinstance(names, (list, tuple)):
                 names = []
             # the last scope is the FX node itself; the one before is its innermost module
-            modules = [s for s in names[:-1] if s]
+            modules = [s for s in names[:-1] if isinstance(s, str) and s]
             prov.module_path = modules[-1] if modules else ""
         return prov
+
+
+def literal_or(text: str, default):
+    """``ast.literal_eval(text)``, or ``default`` when the text is not a Python literal:
+    metadata an exporter wrote is data, never evaluated as code."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return default
 
 
 def _fail(path: str, what: str) -> InputError:
     return InputError(f"{path}: {what}")
 
 
+def _external_data_file(path: str, base: Path, tensor_name: str, location: str) -> Path:
+    """The file an external-data ``location`` names; it must be a relative path that, with
+    symlinks resolved, stays inside the model's folder ``base`` (resolved) -- a model file
+    must not make shardc read (or report the size of) any other file on the machine."""
+    refused = _fail(path, f"initializer {tensor_name!r} has external data at {location!r}, "
+                          f"outside the model's folder {str(base)!r} (refused)")
+    if "\0" in location or Path(location).is_absolute():
+        raise refused
+    try:
+        target = (base / location).resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        raise refused from None
+    if not target.is_relative_to(base):
+        raise refused
+    return target
+
+
+def _byte_count(path: str, tensor_name: str, info: dict, key: str) -> int:
+    """External-data ``offset`` / ``length`` (bytes) as a non-negative int (0 when absent)."""
+    text = info.get(key, "") or "0"
+    if not (text.isascii() and text.isdigit()):
+        raise _fail(path, f"initializer {tensor_name!r} has external-data {key} {text!r} "
+                          "(expected a non-negative integer)")
+    return int(text)
+
+
 def _check_external_data(path: str, proto: onnx.ModelProto) -> None:
-    """Every external-data reference must name an existing file long enough for it."""
+    """Every external-data reference must name a file inside the model's folder, existing
+    and long enough for it."""
     base = Path(path).resolve().parent
     sizes: dict[str, int] = {}
     for tensor in onnx.external_data_helper._get_all_tensors(proto):
@@ -127,17 +168,18 @@ def _check_external_data(path: str, proto: onnx.ModelProto) -> None:
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
         if not location:
-            raise _fail(path, f"initializer '{tensor.name}' has external data with no location")
-        target = (base / location).resolve()
+            raise _fail(path, f"initializer {tensor.name!r} has external data with no location")
+        target = _external_data_file(path, base, tensor.name, location)
         if location not in sizes:
             if not target.is_file():
-                raise _fail(path, f"external data file '{location}' is missing (needed by "
-                                  f"initializer '{tensor.name}'; looked in {base})")
+                raise _fail(path, f"external data file {location!r} is missing (needed by "
+                                  f"initializer {tensor.name!r}; looked in {base})")
             sizes[location] = target.stat().st_size
-        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        end = (_byte_count(path, tensor.name, info, "offset")
+               + _byte_count(path, tensor.name, info, "length"))
         if end > sizes[location]:
-            raise _fail(path, f"external data file '{location}' is truncated: initializer "
-                              f"'{tensor.name}' needs bytes up to {end}, file has {sizes[location]}")
+            raise _fail(path, f"external data file {location!r} is truncated: initializer "
+                              f"{tensor.name!r} needs bytes up to {end}, file has {sizes[location]}")
 
 
 def _read_proto(path: str) -> onnx.ModelProto:

@@ -386,9 +386,11 @@ def trace_reduced(source, full_model: torch.nn.Module, inputs: tuple) -> Graph |
     depth = choose_depth(kinds)
     if depth is None:
         return None
+    def build_model():  # named: model_file's messages quote the function name
+        return source.build_model(num_layers=depth)
+
     try:
-        reduced = _call_user(lambda: source.build_model(num_layers=depth), source.source,
-                             f"building the model with num_layers={depth}")
+        reduced = _call_user(build_model, source.source, f"building {depth} layers")
         if (not isinstance(reduced, torch.nn.Module)
                 or layer_signatures(reduced) != signatures[:depth]):
             raise NotProvable(f"build_model(num_layers={depth}) does not build the first "

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shardc.errors import InputError
+from shardc.frontends.imports import user_code
 from shardc.ir.graph import Graph, Node, Param
 
 # Ops that only reinterpret a tensor; applied to a parameter they yield an alias of it.
@@ -140,8 +141,10 @@ def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.Expo
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
-        with torch.no_grad():
+        with torch.no_grad(), user_code(type(model).__name__, "tracing the forward pass"):
             return torch.export.export(wrapper, tuple(example_inputs), strict=False)
+    except InputError:
+        raise
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"torch.export failed for {type(model).__name__}: "

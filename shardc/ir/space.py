@@ -47,7 +47,7 @@ class StrategySpace:
     workload: Workload
     values: dict[str, list[int]] = field(default_factory=dict)
     op_slots: list[str] = field(default_factory=list)  # "kind.op" or global "op"
-    _op_mask_by_tp: np.ndarray | None = None  # [n_tp, n_slots, 3]
+    op_mask_by_tp: np.ndarray | None = None  # [n_tp, n_slots, 3]
 
     def __post_init__(self):
         g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
@@ -71,7 +71,7 @@ class StrategySpace:
             if g.global_op(name) is not None:
                 slots.append(name)
         self.op_slots = slots
-        self._op_mask_by_tp = np.stack([self._op_mask_for_tp(t) for t in tp])
+        self.op_mask_by_tp = np.stack([self._op_mask_for_tp(t) for t in tp])
 
     # ----------------------------------------------------------------- structure
     @property
@@ -138,7 +138,7 @@ class StrategySpace:
 
     def op_masks(self, tp_idx: np.ndarray) -> np.ndarray:
         """[B, n_slots, 3] legal op choices given each action's tp index."""
-        return self._op_mask_by_tp[np.asarray(tp_idx, dtype=np.int64)]
+        return self.op_mask_by_tp[np.asarray(tp_idx, dtype=np.int64)]
 
     def actions_legal(self, actions: np.ndarray) -> np.ndarray:
         """[B] bool: degrees tile the mesh and every op choice is unmasked."""

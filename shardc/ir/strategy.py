@@ -117,11 +117,18 @@ class Degrees:
 
     def logical_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """(shape, dim names) for ``init_device_mesh``: dims of size > 1 in
-        :data:`MESH_DIM_ORDER`; a single-GPU plan gets ``((1,), ("tp",))``."""
+        :data:`MESH_DIM_ORDER`; when no dim but ``pp`` is larger than 1 a ``tp`` dim of
+        size 1 is kept (``((1,), ("tp",))`` for one GPU), so there is always at least one
+        SPMD dim for placements to refer to."""
         dims = [(n, getattr(self, n)) for n in MESH_DIM_ORDER if getattr(self, n) > 1]
-        if not dims:
-            dims = [("tp", 1)]
+        if all(n == "pp" for n, _ in dims):
+            dims.append(("tp", 1))
         return tuple(s for _, s in dims), tuple(n for n, _ in dims)
+
+    def spmd_dims(self) -> list[str]:
+        """The logical mesh dims every ``placements`` list refers to, in order: the logical
+        mesh minus ``pp`` (pipeline stages hold whole tensors). Never empty."""
+        return [n for n in self.logical_mesh()[1] if n != "pp"]
 
     def as_dict(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "sp": self.sp}
@@ -270,14 +277,24 @@ class Strategy:
         return {k: choice_name(k.split(".")[-1], v) for k, v in self.choices.items()}
 
 
-def pipeline_stages(num_layers: int, pp: int) -> list[int]:
-    """Stage index of each decoder layer: ``pp`` contiguous stages, sizes differing by at
-    most one (earlier stages take the extra layers). The embedding lives on stage 0, the
-    final norm and lm_head on stage ``pp - 1``."""
+def stage_layer_ranges(num_layers: int, pp: int) -> list[range]:
+    """The decoder layers each of ``pp`` pipeline stages runs: contiguous ranges whose
+    sizes differ by at most one, earlier stages taking the extra layers (the last stage
+    also carries the final norm and lm_head; the embedding on stage 0 is a cheap lookup).
+    The one stage map of shardc: the cost model, trace.json, annotate, plan.json and the
+    runtime all read it."""
     if pp < 1 or (num_layers and pp > num_layers):
         raise ValueError(f"pp={pp} stages for {num_layers} layers")
     base, extra = divmod(num_layers, pp)
-    out: list[int] = []
+    out, start = [], 0
     for s in range(pp):
-        out += [s] * (base + (1 if s < extra else 0))
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
     return out
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[int]:
+    """Stage index of each decoder layer (:func:`stage_layer_ranges` as a per-layer list).
+    The embedding lives on stage 0, the final norm and lm_head on stage ``pp - 1``."""
+    return [s for s, layers in enumerate(stage_layer_ranges(num_layers, pp)) for _ in layers]

@@ -41,10 +41,8 @@ from shardc.ir.strategy import (
 
 
 def spmd_dims(strategy: Strategy) -> list[str]:
-    """Mesh dims the placements list refers to (logical mesh minus pp; ``["tp"]`` if none)."""
-    shape, names = strategy.degrees.logical_mesh()
-    dims = [n for n, s in zip(names, shape) if n != "pp" and s > 1]
-    return dims or ["tp"]
+    """Mesh dims the placements list refers to (:meth:`Degrees.spmd_dims`)."""
+    return strategy.degrees.spmd_dims()
 
 
 def _out_width(fop: FusedOp) -> int:

@@ -9,12 +9,12 @@ Megatron heuristic too (same cost model, same run) as the baseline the result is
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from shardc.cost import CostModel, min_gpus_needed
+from shardc.cost import CostModel
+from shardc.cost.infeasible import infeasible_message
 from shardc.errors import InfeasibleError
 from shardc.ir.graph import Graph
 from shardc.ir.space import StrategySpace, megatron_ops_at_tp1
@@ -36,19 +36,6 @@ class SearchOutcome:
     exact_value: float | None = None
     chosen_from: str = "rl"  # the policy whose strategy was kept ("megatron" if it was better)
     searched: SearchResult | None = None  # the requested searcher's own result
-
-
-def _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed) -> str:
-    """Say what is short: GPUs for weights + KV cache first, else the commonest reason."""
-    need = min_gpus_needed(graph, workload, hardware)
-    if need > mesh.gpus:
-        return (f"needs >= {need} GPUs to hold weights + KV cache; mesh has {mesh.gpus}")
-    rng = np.random.default_rng(seed)
-    actions = np.stack([rng.integers(0, n, size=2048) for n in space.nvec], axis=1)
-    ev = cost_model.evaluate(actions, space)
-    reasons = Counter(cost_model.reason_text(int(r)) for r in ev.reason[~ev.feasible])
-    top = reasons.most_common(1)[0][0] if reasons else "no strategy is feasible"
-    return f"no feasible plan on mesh {mesh} ({hardware.name}): {top}"
 
 
 def _canonical_when_tp1(space, objective, action, value):
@@ -83,10 +70,12 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
         result, chosen_from = megatron, "megatron"
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
-            _infeasible_message(graph, mesh, hardware, workload, cost_model, space, seed))
+            infeasible_message(graph, mesh, hardware, workload, cost_model, space))
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
-    annotated = annotate(graph, strategy)
+    # collective bytes for the tokens of one step of one replica (as graph.txt's shapes)
+    step_tokens = strategy.batch * (1 if workload.phase == "decode" else workload.prompt)
+    annotated = annotate(graph, strategy, tokens=step_tokens)
     exact_value = searched.best_value if policy == "exact" and searched.complete else None
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
                          exact_value=exact_value, chosen_from=chosen_from, searched=searched)

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardc.search.objective import Budget, Objective, Progress, cost_model_objective
+from shardc.search.objective import (
+    Budget,
+    CostModelObjective,
+    Objective,
+    Progress,
+    cost_model_objective,
+)
 
 POLICIES = ("rl", "sa", "rw", "ga", "megatron", "exact")
 
@@ -70,13 +76,12 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     if policy == "rl":
         extra = rl.search_rl(sampler, meter, rng, seed, **options)
     elif policy == "exact":
-        cm = getattr(objective, "cost_model", None)
-        if cm is not None and getattr(objective, "space", None) is space \
-                and hasattr(cm, "_simulate") and options.pop("decompose", True):
+        if isinstance(objective, CostModelObjective) and objective.space is space \
+                and options.pop("decompose", True):
             from shardc.search.exact_decomposed import search_exact_decomposed
 
             try:
-                search_exact_decomposed(cm, sampler, meter, **options)
+                search_exact_decomposed(objective.cost_model, sampler, meter, **options)
             except exact.ExactIncomplete:
                 complete = False
         else:
@@ -97,12 +102,13 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
-                      exact: float | None = None, title: str = "") -> None:
+                      exact: float | None = None, title: str = "") -> str:
     """Write ``search.png``: best-so-far tok/s/GPU against evaluations for each searcher in
-    ``curves`` ({name: [(evals, best)]}), with horizontal Megatron / exact lines if given."""
+    ``curves`` ({name: [(evals, best)]}), with horizontal Megatron / exact lines if given;
+    returns the title drawn."""
     from shardc.search.plot import plot_search_curve as _plot
 
-    _plot(path, curves, megatron=megatron, exact=exact, title=title)
+    return _plot(path, curves, megatron=megatron, exact=exact, title=title)
 
 
 __all__ = ["POLICIES", "SearchResult", "run_search", "plot_search_curve", "cost_model_objective",

@@ -16,16 +16,15 @@ against others with the same split requirements.
 Per degree tuple: the kind's Pareto front over its branches (merged branch by branch), the
 product of the kinds' fronts and every legal embedding / lm_head choice are the candidates;
 they are evaluated with the public ``CostModel.evaluate`` (so the answer is the cost model's
-own number). Term tables for all degree tuples are computed in one vectorised simulator call
-per branch (the same quantities as ``CostModel.branch_tables``; a test pins the equality).
+own number). Term tables for all degree tuples come from ``CostModel.branch_term_grid`` (one vectorised
+simulator call per branch; ``CostModel.branch_tables`` is the same grid at one row).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from shardc.ir.space import megatron_op_choices
-from shardc.search.legal import BATCH, N_DEG, TP, LegalSampler
+from shardc.search.legal import BATCH, N_DEG, LegalSampler
 from shardc.search.objective import Budget
 
 
@@ -53,61 +52,19 @@ def _degree_rows(sampler: LegalSampler) -> np.ndarray:
     return np.array(rows, dtype=np.int64)
 
 
-def term_tables(cm, space, deg_rows: np.ndarray, chunk: int = 65536) -> list[dict]:
-    """Per branch term: combos [n, m], legal [Nd, n], time_s / bytes [Nd, n], split key
-    [Nd, n] (bit 0: needs tokens % tp, bit 1: needs sequences % tp) at every degree row."""
-    base_ops = {t: megatron_op_choices(space, t) for t in np.unique(deg_rows[:, TP])}
-    base = np.array([np.concatenate([d, base_ops[d[TP]]]) for d in deg_rows], dtype=np.int64)
-    col = {s: N_DEG + i for i, s in enumerate(space.op_slots)}
-    residual = (space.degree_arrays(base)["sp"] > 1).astype(np.int64)
-    groups = [(ki, k.name, k.branches) for ki, k in enumerate(cm.kinds)]
-    groups.append((None, "global", cm.globals))
-    out = []
-    nd = len(deg_rows)
-    for ki, kname, branches in groups:
-        for bi, (bname, _fops, table, slots) in enumerate(branches):
-            combos = table.combos()
-            n = len(combos)
-            acts = np.repeat(base, n, axis=0)
-            for j, s in enumerate(slots):
-                acts[:, col[s]] = np.tile(combos[:, j], nd)
-            time_s = np.empty(nd * n)
-            nbytes = np.empty(nd * n)
-            for i in range(0, len(acts), chunk):
-                r = cm._simulate(acts[i:i + chunk], space)
-                bc = r["kinds"][ki][1][bi][4] if ki is not None else r["glob"][bname][4]
-                time_s[i:i + chunk] = bc.time_s
-                nbytes[i:i + chunk] = bc.weight_bytes + (bc.kv_bytes if ki is not None else 0.0)
-            masks = space.op_masks(deg_rows[:, TP])  # [Nd, slots, 3]
-            legal = np.ones((nd, n), dtype=bool)
-            for j, s in enumerate(slots):
-                legal &= masks[:, space.op_slots.index(s), :][:, combos[:, j]]
-            modes = table.modes[np.arange(n)[None, :], residual[:, None]]  # [Nd, n, m]
-            key = np.zeros((nd, n), dtype=np.int64)
-            if bname != "experts":
-                key |= (modes == 4).any(axis=2).astype(np.int64)
-                for j, f in enumerate(_fops):
-                    if f.name == "attn_core":
-                        key |= 2 * (modes[:, :, j] == 4)
-            out.append(dict(kind=kname, branch=bname, slots=list(slots), combos=combos,
-                            legal=legal, time=time_s.reshape(nd, n),
-                            bytes=nbytes.reshape(nd, n), key=key))
-    return out
-
-
 def candidates_for(d: int, deg_row: np.ndarray, terms: list[dict], space) -> np.ndarray:
     """[N, A] the pruned candidate actions at degree row ``d``."""
     col = {s: N_DEG + i for i, s in enumerate(space.op_slots)}
     parts = []  # list of [n_i, A-N_DEG] partial op assignments (-1 = unset), to cross
-    kinds = [k for k in dict.fromkeys(t["kind"] for t in terms)]
+    kinds = [k for k in dict.fromkeys(t.kind for t in terms)]
     for kname in kinds:
-        kterms = [t for t in terms if t["kind"] == kname]
+        kterms = [t for t in terms if t.kind == kname]
         if kname == "global":
             for t in kterms:
-                ok = np.flatnonzero(t["legal"][d])
+                ok = np.flatnonzero(t.legal[d])
                 part = np.full((len(ok), len(space.op_slots)), -1, dtype=np.int64)
-                for j, s in enumerate(t["slots"]):
-                    part[:, col[s] - N_DEG] = t["combos"][ok, j]
+                for j, s in enumerate(t.slots):
+                    part[:, col[s] - N_DEG] = t.combos[ok, j]
                 parts.append(part)
             continue
         ft = np.zeros(1)
@@ -115,13 +72,13 @@ def candidates_for(d: int, deg_row: np.ndarray, terms: list[dict], space) -> np.
         fk = np.zeros(1, dtype=np.int64)
         fa = np.full((1, len(space.op_slots)), -1, dtype=np.int64)
         for t in kterms:
-            ok = np.flatnonzero(t["legal"][d])
-            tt = (ft[:, None] + t["time"][d, ok][None, :]).ravel()
-            mm = (fm[:, None] + t["bytes"][d, ok][None, :]).ravel()
-            kk = (fk[:, None] | t["key"][d, ok][None, :]).ravel()
+            ok = np.flatnonzero(t.legal[d])
+            tt = (ft[:, None] + t.time_ms[d, ok][None, :]).ravel()
+            mm = (fm[:, None] + (t.weight_bytes + t.kv_bytes)[d, ok][None, :]).ravel()
+            kk = (fk[:, None] | t.needs[d, ok][None, :]).ravel()
             aa = np.repeat(fa, len(ok), axis=0)
-            for j, s in enumerate(t["slots"]):
-                aa[:, col[s] - N_DEG] = np.tile(t["combos"][ok, j], len(fa))
+            for j, s in enumerate(t.slots):
+                aa[:, col[s] - N_DEG] = np.tile(t.combos[ok, j], len(fa))
             keep = _pareto(tt, mm, kk)
             ft, fm, fk, fa = tt[keep], mm[keep], kk[keep], aa[keep]
         parts.append(fa)
@@ -149,7 +106,7 @@ def search_exact_decomposed(cm, sampler: LegalSampler, budget: Budget,
     t0 = time.perf_counter()
     space = sampler.space
     deg_rows = _degree_rows(sampler)
-    terms = term_tables(cm, space, deg_rows)
+    terms = cm.branch_term_grid(deg_rows, space)
     pending, n_pending, total = [], 0, 0
     for d in range(len(deg_rows)):
         acts = candidates_for(d, deg_rows[d], terms, space)

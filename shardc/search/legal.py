@@ -45,7 +45,7 @@ class LegalSampler:
         self.ep_mask = (world % (tp[:, None] * ep[None, :])) == 0  # [n_tp, n_ep]
         prod = tp[:, None, None] * ep[None, :, None] * pp[None, None, :]
         self.pp_mask = (world % prod) == 0  # [n_tp, n_ep, n_pp]
-        self.op_mask = space._op_mask_by_tp  # [n_tp, n_slots, 3]
+        self.op_mask = space.op_mask_by_tp  # [n_tp, n_slots, 3]
         self.max_n = int(self.nvec.max())
         self._factor_moves = self._factor_move_table(tp, ep, pp, world)
 

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 
+def search_title(model: str, mesh: str, hardware: str, workload: dict, policy: str,
+                 budget: int) -> str:
+    """The title of compile's search.png: what was searched, so that a picture taken out of its
+    folder still says it. ``workload`` is plan.json's (phase, batch, context / prompt in
+    tokens, SLOs in ms); e.g. ``llama3_70b on 8x2 h100 | prefill, prompt 2048 tokens, TTFT
+    SLO 2000 ms | search exact, budget 4000``."""
+    if workload.get("phase") == "prefill":
+        wl = (f"prefill, prompt {workload.get('prompt')} tokens, "
+              f"TTFT SLO {workload.get('ttft_slo_ms'):g} ms")
+    else:
+        wl = (f"{workload.get('phase')}, context {workload.get('context')} tokens, "
+              f"TPOT SLO {workload.get('tpot_slo_ms'):g} ms")
+    return f"{model} on {mesh} {hardware} | {wl} | search {policy}, budget {budget}"
+
+
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
-                      exact: float | None = None, title: str = "") -> None:
+                      exact: float | None = None, title: str = "") -> str:
+    """Draw and save the figure; returns the title it carries ("" if none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,3 +49,4 @@ def plot_search_curve(path, curves: dict, megatron: float | None = None,
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return ax.get_title()
