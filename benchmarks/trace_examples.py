@@ -1,7 +1,11 @@
 """Trace every example at full size (torch.export on meta + passes) and record wall time
 and peak RSS of a fresh process per model into benchmarks/trace.md.
 
-Usage: .venv/bin/python benchmarks/trace_examples.py [--out benchmarks/trace.md] [MODEL ...]
+Usage: .venv/bin/python benchmarks/trace_examples.py [--out benchmarks/trace.md] [--full-trace] [MODEL ...]
+
+The graph cache is off in the children (``SHARDC_NO_CACHE=1``); models that opt in are traced
+at a reduced depth and expanded (``shardc/frontends/reduced_depth.py``) unless ``--full-trace``
+(``SHARDC_FULL_TRACE=1``).
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ print(json.dumps({"import_s": t1 - t0, "trace_s": t2 - t1, "nodes": len(g.nodes)
 """
 
 
-def measure(model: str) -> dict:
+def measure(model: str, full_trace: bool = False) -> dict:
     path = ROOT / "examples" / f"{model}.py"
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "SHARDC_NO_CACHE": "1",
+                                 "SHARDC_FULL_TRACE": "1" if full_trace else "0"})
     stdout, stderr = proc.stdout.read(), proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
     wall = time.perf_counter() - start
@@ -53,10 +58,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", default=MODELS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "trace.md"))
+    ap.add_argument("--full-trace", action="store_true", help="trace every layer")
     args = ap.parse_args()
     rows = []
     for m in args.models:
-        row = measure(m)
+        row = measure(m, args.full_trace)
         rows.append(row)
         print(f"{m}: {row['wall_s']:.1f} s, {row['peak_rss_mb']:.0f} MB", flush=True)
     load = os.getloadavg()
@@ -67,7 +73,10 @@ def main() -> int:
         "model, `torch.set_num_threads(1)`; *trace* = `shardc.frontends.load_graph` = build on",
         "meta + non-strict torch.export + canonicalise/fused/layer passes; *wall* adds Python,",
         "torch and transformers start-up; *CPU s* = user + system CPU time of the process, the",
-        "figure least distorted by other jobs; *peak RSS* = `ru_maxrss` of the process).",
+        "figure least distorted by other jobs; *peak RSS* = `ru_maxrss` of the process;",
+        "graph cache off). " + ("Every layer traced (`--full-trace`)." if args.full_trace else
+                                "Default path: models that opt in are traced at a reduced depth "
+                                "and expanded exactly (`--full-trace` traces every layer)."),
         f"Machine: 2 CPU cores shared with other jobs; load average at the end of the run "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min), so times are upper bounds.",
         "",

@@ -1,12 +1,17 @@
 """GPT-MoE 1.6T (the paper's workload): 80 layers, 1.596e12 parameters. See gpt_moe.py."""
 
+import dataclasses
+
 import gpt_moe
 
 CONFIG = gpt_moe.GPTMoEConfig(num_layers=80)
 
 
-def build_model():
-    return gpt_moe.build(CONFIG, device="meta")
+def build_model(num_layers=None):
+    """The full model on meta; ``num_layers`` builds only the first layers (shardc traces a
+    reduced depth and expands it exactly)."""
+    cfg = CONFIG if num_layers is None else dataclasses.replace(CONFIG, num_layers=num_layers)
+    return gpt_moe.build(cfg, device="meta")
 
 
 def example_inputs():

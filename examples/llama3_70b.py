@@ -19,8 +19,10 @@ def tiny_config() -> LlamaConfig:
                        tie_word_embeddings=False)
 
 
-def build_model():
-    return build_causal_lm(config())
+def build_model(num_layers=None):
+    """The full model on meta; ``num_layers`` builds only the first layers (shardc traces a
+    reduced depth and expands it exactly)."""
+    return build_causal_lm(config(), num_layers=num_layers)
 
 
 def example_inputs():

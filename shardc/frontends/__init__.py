@@ -3,13 +3,16 @@
 :func:`load_graph` is what ``compile`` / ``inspect`` / ``simulate`` call: it dispatches on
 the file suffix (``.py`` model file or HF ``config.json`` -> torch.export frontend; ``.onnx``
 -> :func:`shardc.frontends.onnx_frontend.trace_onnx`, imported lazily) and runs the passes
-(canonicalise -> fused-op grouping -> layer grouping). :func:`graph_from_module` does the
+(canonicalise -> fused-op grouping -> layer grouping). A model file whose ``build_model``
+takes ``num_layers`` is traced at a reduced depth and expanded to the exact full-depth graph
+(:mod:`shardc.frontends.reduced_depth`). :func:`graph_from_module` does the
 same for an in-memory ``nn.Module``. Graphs of model files (``.py``, ``config.json``) are
 cached on disk (:mod:`shardc.frontends.graph_cache`; ``SHARDC_NO_CACHE=1`` disables it).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from shardc.errors import InputError
@@ -55,10 +58,33 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
     with recording_imports() as imported:
         src = load_model_file(p)
         model, inputs = src.build(tiny=tiny)
-        graph = graph_from_module(model, inputs, name=src.name, source=src.source)
+        graph = None if tiny else _reduced_depth_graph(src, model, inputs)
+        if graph is None:
+            graph = graph_from_module(model, inputs, name=src.name, source=src.source)
     if key is not None:
         graph_cache.store_entry(key, graph, deps=imported)
     return graph
+
+
+def _reduced_depth_graph(src, model, inputs) -> Graph | None:
+    """The passed graph from a reduced-depth trace (:mod:`shardc.frontends.reduced_depth`) if
+    ``src.build_model`` takes ``num_layers`` and ``SHARDC_FULL_TRACE`` is unset; None (trace
+    all layers) otherwise, or when the pattern cannot be proven (a note on stderr says so)."""
+    from shardc.frontends import reduced_depth
+
+    if not (reduced_depth.enabled() and reduced_depth.accepts_num_layers(src.build_model)):
+        return None
+    try:
+        raw = reduced_depth.trace_reduced(src, model, inputs)
+    except reduced_depth.NotProvable as e:
+        sys.stderr.write(f"shardc: note: {src.source}: tracing every layer (a reduced-depth "
+                         f"trace cannot be proven exact: {e})\n")
+        return None
+    if raw is None:
+        return None
+    from shardc.passes import run_passes
+
+    return run_passes(raw)
 
 
 __all__ = ["graph_from_module", "load_graph"]

@@ -13,7 +13,14 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 
 def build_causal_lm(config: PretrainedConfig, device: str = "meta",
-                    dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+                    dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                    num_layers: int | None = None) -> torch.nn.Module:
+    """``num_layers``: build only the first ``num_layers`` decoder layers (a truncated copy of
+    ``config``: :func:`shardc.frontends.reduced_depth.truncate_config`)."""
+    if num_layers is not None:
+        from shardc.frontends.reduced_depth import truncate_config
+
+        config = truncate_config(config, num_layers)
     kwargs = {"attn_implementation": "sdpa"}
     if _is_moe(config):
         kwargs["experts_implementation"] = "grouped_mm"

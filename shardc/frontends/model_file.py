@@ -1,7 +1,9 @@
 """Load a model description: a ``.py`` model file (SPEC section 5) or an HF ``config.json``.
 
 A model file defines ``build_model() -> nn.Module`` and ``example_inputs() -> tuple`` and
-optionally ``tiny_model()`` / ``tiny_inputs()``. It is imported by path under a private
+optionally ``tiny_model()`` / ``tiny_inputs()``; a ``build_model`` that takes ``num_layers``
+(build the first ``num_layers`` decoder layers only) lets ``load_graph`` trace a reduced
+depth. It is imported by path under a private
 module name; its directory is put first on ``sys.path`` so that sibling helpers (e.g.
 ``examples/gpt_moe.py``) import, and helpers from that folder that an earlier load in the
 same process imported are imported afresh (an edited helper is never served stale). A ``config.json`` is built with
@@ -159,10 +161,10 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
     except Exception as e:
         raise InputError(f"{p}: HF cannot read this config: {type(e).__name__}: {e}") from e
 
-    def build_model() -> torch.nn.Module:
+    def build_model(num_layers: int | None = None) -> torch.nn.Module:
         from shardc.frontends.hf_build import build_causal_lm
 
-        return build_causal_lm(config)
+        return build_causal_lm(config, num_layers=num_layers)
 
     def example_inputs() -> tuple:
         return _token_ids(config)

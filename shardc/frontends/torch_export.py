@@ -157,6 +157,13 @@ def trace_module(model: nn.Module, example_inputs: tuple, name: str = "", source
     """Trace ``model`` at ``example_inputs`` into a raw IR :class:`Graph` (see module doc).
 
     Inputs are moved to the model's device (``meta`` for full-size models)."""
+    return trace_program(model, example_inputs, name=name, source=source)[0]
+
+
+def trace_program(model: nn.Module, example_inputs: tuple, name: str = "",
+                  source: str = "") -> tuple[Graph, torch.export.ExportedProgram]:
+    """:func:`trace_module` that also returns the exported program it converted (the
+    reduced-depth frontend reads the FX node names and module stacks of it)."""
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     example_inputs = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in example_inputs)
@@ -164,7 +171,7 @@ def trace_module(model: nn.Module, example_inputs: tuple, name: str = "", source
     graph = program_to_graph(ep, model, name=name or type(model).__name__, source=source)
     ids = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
     graph.tokens = int(ids.numel()) if ids is not None else 0
-    return graph
+    return graph, ep
 
 
 def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: str,
