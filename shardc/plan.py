@@ -23,18 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from shardc.errors import InputError
-from shardc.ir.graph import Graph
-from shardc.ir.strategy import (
+from shardc.ir.contract import (
+    BRANCHES,
     CHOICE_NAMES,
-    Degrees,
-    Mesh,
-    Strategy,
-    Workload,
-    choice_name,
+    branch_ends,
     dtensor_spelling,
-    op_placements,
-    residual_placement,
+    walk,
 )
+from shardc.ir.graph import Graph
+from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload, residual_placement
 from shardc.text import number_or_dash, one_line
 
 SCHEMA_VERSION = 1
@@ -131,33 +128,32 @@ class Plan:
 def op_rows(graph: Graph, strategy: Strategy, dims: list[str]) -> list[dict]:
     """plan.json ``ops``: per fused-op slot its choice and output placements per SPMD dim
     (placements of the op's input/output when the residual stream arrives)."""
-    from shardc.ir.strategy import BRANCHES, GLOBAL_OPS
-
     residual = residual_placement(strategy.degrees)
     rows = []
 
-    def add(slot, op, kind, c, cur):
-        need, out = op_placements(op, c, cur)
-        rows.append({"name": slot, "kind": op, "layer_kind": kind, "choice": choice_name(op, c),
-                     "placements": [("S(0)" if d in ("dp", "ep") else dtensor_spelling(out))
+    def add(slot, kind, step):
+        rows.append({"name": slot, "kind": step.op, "layer_kind": kind,
+                     "choice": step.choice.name,
+                     "placements": [("S(0)" if d in ("dp", "ep") else dtensor_spelling(step.produced))
                                     for d in dims],
                      "input_placements": [("S(0)" if d in ("dp", "ep")
-                                           else dtensor_spelling(need)) for d in dims]})
-        return out
+                                           else dtensor_spelling(step.need)) for d in dims]})
 
-    for op in GLOBAL_OPS:
-        if graph.global_op(op) is not None and op == "embedding":
-            add(op, op, None, int(strategy.choices.get(op, 2)), "R")
+    def add_branch(branch, ops, kind):
+        slots = [op if kind is None else f"{kind}.{op}" for op in ops]
+        w = walk(ops, [int(strategy.choices.get(s, 2)) for s in slots],
+                 *branch_ends(branch, residual))
+        for slot, step in zip(slots, w.steps):
+            add(slot, kind, step)
+
+    if graph.global_op("embedding") is not None:
+        add_branch("embedding", ("embedding",), None)
     for k in graph.layer_kinds:
-        for ops in BRANCHES.values():
-            if any(k.op(o) is None for o in ops):
-                continue
-            cur = residual
-            for o in ops:
-                slot = f"{k.name}.{o}"
-                cur = add(slot, o, k.name, int(strategy.choices.get(slot, 2)), cur)
+        for branch, ops in BRANCHES.items():
+            if all(k.op(o) is not None for o in ops):
+                add_branch(branch, ops, k.name)
     if graph.global_op("lm_head") is not None:
-        add("lm_head", "lm_head", None, int(strategy.choices.get("lm_head", 2)), residual)
+        add_branch("lm_head", ("lm_head",), None)
     return rows
 
 

@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardc.ir.strategy import (
-    BRANCHES,
-    CHOICE_NAMES,
-    Degrees,
-    Mesh,
-    Strategy,
-    Workload,
-    branch_collectives,
-    residual_placement,
-)
+from shardc.ir.contract import BRANCHES, CHOICE_NAMES, branch_collectives
+from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload, residual_placement
 from shardc.passes.annotate import annotate, redistributions, spmd_dims
 
 ROOT = Path(__file__).resolve().parents[1]

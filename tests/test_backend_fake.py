@@ -25,7 +25,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from shardc.backends.apply import apply, strategy_from_names
 from shardc.backends.layout import param_plan
 from shardc.backends.models import adapter_for, default_layer_kinds
-from shardc.ir.strategy import BRANCHES, Mesh, Workload
+from shardc.ir.contract import BRANCHES
+from shardc.ir.strategy import Mesh, Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))

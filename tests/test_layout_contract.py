@@ -11,7 +11,8 @@ import pytest
 
 from shardc.backends.layout import spmd_dims as backend_spmd_dims
 from shardc.cost.topology import mesh_groups
-from shardc.ir.strategy import CHOICE_NAMES, MESH_DIM_ORDER, Degrees, Mesh, Strategy, Workload
+from shardc.ir.contract import CHOICE_NAMES
+from shardc.ir.strategy import MESH_DIM_ORDER, Degrees, Mesh, Strategy, Workload
 from shardc.passes.annotate import spmd_dims as annotate_spmd_dims
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from shardc.cost import CostModel
-from shardc.ir.strategy import CHOICE_NAMES, Degrees, Mesh, Strategy, Workload
+from shardc.ir.contract import CHOICE_NAMES
+from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
 from shardc.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,8 @@ from shardc.ir.strategy import Strategy, pipeline_stages
 def strategy_from_names(degrees: dict, choices: dict, batch: int = 1) -> Strategy:
     """Strategy from plan-style data: ``{"tp": 8, ...}`` and ``{"<kind>.<op>": "col", ...}``
     (choice names or indices)."""
-    from shardc.ir.strategy import CHOICE_NAMES, Degrees
+    from shardc.ir.contract import CHOICE_NAMES
+    from shardc.ir.strategy import Degrees
 
     idx = {}
     for slot, c in choices.items():

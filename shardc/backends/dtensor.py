@@ -4,7 +4,7 @@ The emitted file defines ``parallelize(model, world_mesh=None)``. It creates the
 ``init_device_mesh`` from the plan's logical mesh when none is given, and calls the small
 runtime in :mod:`shardc.backends.apply` -- the same code ``Plan.apply`` runs -- block by
 block, with comments naming each op's choice and the collectives the strategy implies
-(from :func:`shardc.ir.strategy.branch_collectives`, the table the cost model charges).
+(from :func:`shardc.ir.contract.branch_collectives`, the table the cost model charges).
 
 Every value that comes from input (model, hardware, layer-kind and op names, numbers from a
 hand-edited plan.json) reaches the file in one of two forms only: inside code as a Python
@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import pprint
 
-from shardc.ir.strategy import (
-    BRANCHES,
-    branch_collectives,
-    choice_name,
-    residual_placement,
-)
+from shardc.ir.contract import BRANCHES, branch_collectives, choice_name
+from shardc.ir.strategy import residual_placement
 from shardc.text import number_or_dash, one_line
 
 # {fields} of the docstring are filled with one_line() text, those of the code with _literal().

@@ -4,7 +4,7 @@
 logical mesh minus ``pp``) and wraps each fused op's modules with hooks that move the
 activation between the placements the strategy prescribes. The walk through a branch
 (residual -> qkv -> attention core -> out-proj -> residual, ...) is
-:func:`shardc.ir.strategy.op_placements`, the same table the cost model charges from; every
+:func:`shardc.ir.contract.walk`, the same walk the cost model charges from; every
 repair is ``DTensor.redistribute`` (all-gather, all-reduce, reduce-scatter, all-to-all).
 
 Activation conventions (plan.json speaks of [tokens, features]):
@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardc.backends.layout import param_placements, param_role, spmd_dims
-from shardc.ir.strategy import BRANCHES, Strategy, op_placements, residual_placement
+from shardc.ir.contract import BRANCHES, walk
+from shardc.ir.strategy import Strategy, residual_placement
 
 _TP_PLACEMENT = {"R": Replicate(), "P": Partial()}
 
@@ -47,21 +48,6 @@ def deinterleave(t: torch.Tensor, parts: int, n: int) -> torch.Tensor:
     """Inverse of :func:`interleave` on the last dim (a full, gathered activation)."""
     c = t.shape[-1] // (parts * n)
     return t.unflatten(-1, (n, parts, c)).transpose(-3, -2).flatten(-3)
-
-
-def branch_walk(ops: tuple[str, ...], choices: list[int], start: str, end: str
-                ) -> list[tuple[str, str, str]]:
-    """[(need, produced, after)] per op: the placement it needs, the one it produces, and
-    the one its output is moved to before anything else reads it (the next op's need, or
-    ``end``). Mirrors :func:`shardc.ir.strategy.branch_collectives`."""
-    steps, cur = [], start
-    for op, c in zip(ops, choices):
-        need, produced = op_placements(op, c, cur)
-        steps.append([need, produced, None])
-        cur = produced
-    for i, s in enumerate(steps):
-        s[2] = steps[i + 1][0] if i + 1 < len(steps) else end
-    return [tuple(s) for s in steps]
 
 
 class ShardingRuntime:
@@ -160,9 +146,10 @@ class ShardingRuntime:
             else branch_or_ops
         if isinstance(ops, str):
             ops = (ops,)
-        return branch_walk(tuple(ops), [self.choice(o, layer) for o in ops],
-                           self.residual if start is None else start,
-                           self.residual if end is None else end)
+        w = walk(tuple(ops), [self.choice(o, layer) for o in ops],
+                 self.residual if start is None else start,
+                 self.residual if end is None else end)
+        return [(s.need, s.produced, s.after) for s in w.steps]
 
     def hook_op(self, module: nn.Module, src: str, need: str, after: str,
                 unfuse: int = 1, memo: list | None = None) -> None:

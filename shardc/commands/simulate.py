@@ -20,8 +20,9 @@ from tabulate import tabulate
 
 from shardc.commands.compile import add_workload_arguments, workload_from_args
 from shardc.errors import InfeasibleError, InputError
+from shardc.ir.contract import CHOICE_NAMES
 from shardc.ir.space import StrategySpace, megatron_op_choices
-from shardc.ir.strategy import CHOICE_NAMES, Degrees, Mesh, Strategy
+from shardc.ir.strategy import Degrees, Mesh, Strategy
 
 HELP = "Predict throughput, latency and memory of one sharding strategy (no search)."
 

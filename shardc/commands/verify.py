@@ -168,7 +168,7 @@ def _degree_caps(strategy, world: int) -> dict[str, int]:
 def run(args) -> int:
     from shardc.backends.verify import Case, run_cases
     from shardc.frontends.model_file import load_model_file
-    from shardc.ir.strategy import choice_name
+    from shardc.ir.contract import choice_name
     from shardc.plan import load_plan
 
     _check_args(args)

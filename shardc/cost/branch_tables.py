@@ -1,15 +1,15 @@
 """Static tables of every branch's collectives and per-op execution modes, for all choices.
 
-A branch (:data:`shardc.ir.strategy.BRANCHES`, plus the global ``embedding`` and ``lm_head``
+A branch (:data:`shardc.ir.contract.BRANCHES`, plus the global ``embedding`` and ``lm_head``
 branches) with ``m`` fused ops has ``3**m`` choice combinations; combination index
 ``sum(c_j * 3**j)``. For each combination and each residual placement (``R`` or ``S(0)``),
-:func:`branch_table` walks :func:`shardc.ir.strategy.branch_collectives` -- the same walk the
+:func:`branch_table` walks :func:`shardc.ir.contract.walk` -- the same walk the
 annotation pass uses -- and records
 
 * the collective repairing the placement before each op and at the branch end (a code into
   :data:`shardc.cost.collectives.COLLECTIVE_KINDS`), and
-* the execution mode of each op on the tp dim (:data:`MODES`): how its tokens, FLOPs, weight
-  and activation bytes divide over the tp group.
+* the execution mode of each op on the tp dim (:data:`shardc.ir.contract.MODES`): how its
+  tokens, FLOPs, weight and activation bytes divide over the tp group.
 
 Branch ends: layer branches start and end at the residual placement; ``embedding`` starts at
 ``R`` (token ids are replicated) and ends at the residual; ``lm_head`` starts at the residual
@@ -24,31 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardc.cost.collectives import COLLECTIVE_KINDS
-from shardc.ir.strategy import branch_collectives, choice_name, op_placements
+from shardc.ir.contract import TOKEN_SPLIT, branch_ends, walk
 
-# mode -> exponent of tp dividing (tokens, flops, weight bytes, input bytes, output bytes)
-MODES = ("shard_out", "shard_in", "shard_both", "replicated", "token_split")
-MODE_EXPONENTS = np.array([
-    [0, 1, 1, 0, 1],  # shard_out: column-parallel (weight split on output features)
-    [0, 1, 1, 1, 0],  # shard_in: row-parallel (input features split, partial output)
-    [0, 1, 1, 1, 1],  # shard_both: attention by heads (input and output split)
-    [0, 0, 0, 0, 0],  # replicated weight, replicated input: every rank does all the work
-    [1, 1, 0, 1, 1],  # replicated weight, tokens (sequences) split over the tp group
-], dtype=np.int64)
-
-SHARD_OUT, SHARD_IN, SHARD_BOTH, REPLICATED, TOKEN_SPLIT = range(len(MODES))
-
-_SHARD_MODE = {"col": SHARD_OUT, "vocab": SHARD_OUT, "hidden": SHARD_OUT, "row": SHARD_IN,
-               "heads": SHARD_BOTH, "batch": TOKEN_SPLIT}
 RESIDUALS = ("R", "S(0)")
-
-
-def op_mode(op: str, choice: int, need: str) -> int:
-    """Execution mode of ``op`` at ``choice`` given the placement it consumes."""
-    name = choice_name(op, choice)
-    if name == "rep":
-        return TOKEN_SPLIT if need == "S(0)" else REPLICATED
-    return _SHARD_MODE[name]
 
 
 @dataclass
@@ -72,14 +50,6 @@ class BranchTable:
                         dtype=np.int64).reshape(3**m, m)
 
 
-def branch_ends(branch: str, residual: str) -> tuple[str, str]:
-    if branch == "embedding":
-        return "R", residual
-    if branch == "lm_head":
-        return residual, "R"
-    return residual, residual
-
-
 def branch_table(branch: str, ops: tuple[str, ...]) -> BranchTable:
     m = len(ops)
     n = 3**m
@@ -89,17 +59,12 @@ def branch_table(branch: str, ops: tuple[str, ...]) -> BranchTable:
     for idx, combo in enumerate(itertools.product(range(3), repeat=m)):
         choices = list(reversed(combo))  # combo index = sum c_j 3**j
         for r, residual in enumerate(RESIDUALS):
-            start, end = branch_ends(branch, residual)
-            walk = branch_collectives(ops, choices, start=start, end=end)
-            walks[idx][r] = walk
-            at = {before: COLLECTIVE_KINDS.index(kind) for before, _, _, kind in walk}
-            cur = start
-            for j, (op, c) in enumerate(zip(ops, choices)):
-                need, produced = op_placements(op, c, cur)
-                modes[idx, r, j] = op_mode(op, c, need)
-                colls[idx, r, j] = at.get(op, 0)
-                cur = produced
-            colls[idx, r, m] = at.get("<end>", 0)
+            w = walk(ops, choices, *branch_ends(branch, residual))
+            walks[idx][r] = w.collectives()
+            for j, step in enumerate(w.steps):
+                modes[idx, r, j] = step.mode
+                colls[idx, r, j] = COLLECTIVE_KINDS.index(step.repair[2]) if step.repair else 0
+            colls[idx, r, m] = COLLECTIVE_KINDS.index(w.end_repair[2]) if w.end_repair else 0
     return BranchTable(branch, tuple(ops), modes, colls, walks)
 
 

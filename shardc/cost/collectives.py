@@ -27,7 +27,7 @@ All functions return seconds, are numpy-vectorised over any array shape, and giv
 * send/recv of S bytes between neighbouring pipeline stages:
   ``a0 + a_link + S/B_link`` (NIC if the pp group crosses nodes, else NVLink).
 
-A redistribution from :func:`shardc.ir.strategy.redistribution` charges the collective with S
+A redistribution from :func:`shardc.ir.contract.redistribution` charges the collective with S
 = the full tensor; its all-to-all (S(0) <-> S(1)) moves each rank's shard S/n, so
 :func:`redistribution_time` passes ``S / n`` to :func:`all_to_all`.
 """

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardc.cost.branch_tables import MODES
 from shardc.cost.collectives import COLLECTIVE_KINDS
-from shardc.ir.strategy import Strategy, choice_name, stage_layer_ranges
+from shardc.ir.contract import MODES, choice_name
+from shardc.ir.strategy import Strategy, stage_layer_ranges
 
 MAX_TRACE_MICROBATCHES = 16
 

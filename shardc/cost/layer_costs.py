@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost import collectives as coll
-from shardc.cost.branch_tables import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT, BranchTable
+from shardc.cost.branch_tables import BranchTable
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
+from shardc.ir.contract import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT
 from shardc.ir.graph import FusedOp
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")

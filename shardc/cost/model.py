@@ -45,9 +45,10 @@ from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
 from shardc.cost.topology import mesh_groups
 from shardc.errors import InputError
+from shardc.ir.contract import BRANCHES
 from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
-from shardc.ir.strategy import BRANCHES, Mesh, Strategy, Workload, stage_layer_ranges
+from shardc.ir.strategy import Mesh, Strategy, Workload, stage_layer_ranges
 
 # reason codes of an infeasible strategy (0 = feasible), checked in this order
 REASONS = {

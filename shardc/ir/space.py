@@ -19,15 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardc.ir.contract import GLOBAL_OPS, NUM_CHOICES, legal, op_choice
 from shardc.ir.graph import FUSED_OP_NAMES, Graph
-from shardc.ir.strategy import (
-    GLOBAL_OPS,
-    NUM_CHOICES,
-    Degrees,
-    Mesh,
-    Strategy,
-    Workload,
-)
+from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
 
 DEGREE_COMPONENTS = ("tp", "ep", "pp", "sp", "batch")
 MAX_TP = 64
@@ -95,29 +89,17 @@ class StrategySpace:
         return self.graph.global_op(slot), slot
 
     def _op_mask_for_tp(self, tp: int) -> np.ndarray:
-        """[n_slots, 3] legal choices at tensor-parallel degree ``tp``."""
+        """[n_slots, 3] legal choices at tensor-parallel degree ``tp``
+        (:func:`shardc.ir.contract.legal`)."""
         cfg = self.graph.config
         heads = int(cfg.get("heads", 1) or 1)
         kv_heads = int(cfg.get("kv_heads", heads) or heads)
-        # A heads split must split the KV heads too (GQA groups stay whole on a rank).
-        heads_split_ok = heads % tp == 0 and kv_heads % tp == 0
         mask = np.ones((len(self.op_slots), NUM_CHOICES), dtype=bool)
         for i, slot in enumerate(self.op_slots):
             fop, op = self._fused(slot)
-            if op == "attn_core":
-                mask[i, 0] = heads_split_ok
-            elif op in ("qkv",):
-                mask[i, 0] = heads_split_ok
-                mask[i, 1] = fop.in_features % tp == 0
-            elif op == "out_proj":
-                mask[i, 0] = fop.out_features % tp == 0
-                mask[i, 1] = heads_split_ok
-            elif op == "embedding":
-                mask[i, 0] = fop.in_features % tp == 0  # vocab
-                mask[i, 1] = fop.out_features % tp == 0  # hidden
-            else:  # linear-like: col shards out_features, row shards in_features
-                mask[i, 0] = fop.out_features % tp == 0
-                mask[i, 1] = fop.in_features % tp == 0
+            for c in range(NUM_CHOICES):
+                mask[i, c] = legal(op_choice(op, c), tp, int(fop.in_features or 0),
+                                   int(fop.out_features or 0), heads, kv_heads)
         return mask
 
     # ---------------------------------------------------------------- vectorised

@@ -6,13 +6,10 @@ A strategy is (parallel degrees, batch, per-fused-op choices). This module defin
 * :class:`Degrees` -- tp, pp, ep, dp, sp validated in one place, and the logical mesh
   they imply (dims ordered outermost -> innermost: ``pp, dp, ep, tp``; tp innermost, so a
   tp group of <= G ranks sits inside one NVLink domain);
-* the per-op choices (the paper's ``d_l``): index 0 / 1 / 2 = shard the op's weight on
-  dim 0 / dim 1 / do not shard, with the activation placements each implies on the tp mesh
-  dim (:func:`op_placements`), and the collective that repairs a producer/consumer
-  mismatch (:func:`redistribution`).  The annotation pass and the cost model both read
-  these tables, so the collectives charged and the collectives emitted cannot drift;
-* the branches of a block (:data:`BRANCHES`): each starts from the residual stream and
-  must end in the residual-stream placement (``R``, or ``S(0)`` under sequence parallel).
+* :class:`Strategy` (degrees, batch, per-fused-op choice indices) and the residual-stream
+  placement it implies; what each choice means (placements, collectives, cost modes,
+  legality, ParallelStyle) is the sharding contract, :mod:`shardc.ir.contract`;
+* the pipeline stage map (:func:`stage_layer_ranges`).
 
 Activation placements on the tp dim, activation = [tokens, features]:
 ``R`` replicated, ``S(0)`` split over tokens, ``S(1)`` split over features (heads for
@@ -27,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from shardc.errors import InputError
+from shardc.ir.contract import choice_name
 
 # ------------------------------------------------------------------------- mesh, workload
 _MESH_RE = re.compile(r"^\s*(\d+)x(\d+)\s*$")
@@ -157,111 +155,9 @@ class Degrees:
         return cls(**kw)
 
 
-# ---------------------------------------------------------------------- per-op choices
-# Choice index i of every fused op: 0 = shard weight dim 0, 1 = shard weight dim 1, 2 = none.
-CHOICE_NAMES: dict[str, tuple[str, str, str]] = {
-    "embedding": ("vocab", "hidden", "rep"),  # weight [vocab, hidden]
-    "attn_core": ("heads", "batch", "rep"),  # no weight: heads split / tokens split / none
-}
-_LINEAR_CHOICES = ("col", "row", "rep")  # weight [out, in]: column / row parallel / none
-for _op in ("qkv", "out_proj", "ffn1", "ffn2", "router", "expert_ffn1", "expert_ffn2",
-            "shared_ffn1", "shared_ffn2", "lm_head"):
-    CHOICE_NAMES[_op] = _LINEAR_CHOICES
-NUM_CHOICES = 3
-
-# Placements an op needs on its input and produces on its output (tp mesh dim).
-# "FOLLOW" = takes R or S(0) as it comes and produces the same (replicated weights).
-FOLLOW = "FOLLOW"
-_RULES: dict[str, tuple[str, str]] = {
-    "col": ("R", "S(1)"),
-    "row": ("S(1)", "P"),
-    "rep": (FOLLOW, FOLLOW),
-    "vocab": ("R", "P"),  # vocab-parallel embedding: masked lookup, partial sums
-    "hidden": ("R", "S(1)"),
-    "heads": ("S(1)", "S(1)"),
-    "batch": ("S(0)", "S(0)"),
-}
-
-
-def choice_name(op: str, choice: int) -> str:
-    return CHOICE_NAMES[op][choice]
-
-
-def op_placements(op: str, choice: int, incoming: str) -> tuple[str, str]:
-    """(placement the op needs on its input, placement of its output) on the tp dim,
-    given the placement ``incoming`` arriving at it. For FOLLOW ops an ``R``/``S(0)``
-    input passes through; ``S(1)``/``P`` inputs are first made ``R``."""
-    need, out = _RULES[choice_name(op, choice)]
-    if need == FOLLOW:
-        need = incoming if incoming in ("R", "S(0)") else "R"
-        out = need
-    return need, out
-
-
-# src -> dst placement on one mesh dim: the collective that repairs it (None = free/local).
-_REDISTRIBUTION = {
-    ("S(0)", "R"): "all_gather",
-    ("S(1)", "R"): "all_gather",
-    ("S(0)", "S(1)"): "all_to_all",
-    ("S(1)", "S(0)"): "all_to_all",
-    ("P", "R"): "all_reduce",
-    ("P", "S(0)"): "reduce_scatter",
-    ("P", "S(1)"): "reduce_scatter",
-}
-PLACEMENTS = ("R", "S(0)", "S(1)", "P")
-
-
-def redistribution(src: str, dst: str) -> str | None:
-    """Collective turning placement ``src`` into ``dst`` on one mesh dim (None: local,
-    e.g. R -> S(d) is a slice). The byte count is the full (unsharded) tensor size over
-    that dim; :mod:`shardc.cost.collectives` gives the time."""
-    if src == dst or src == "R":
-        return None
-    try:
-        return _REDISTRIBUTION[(src, dst)]
-    except KeyError:
-        raise ValueError(f"no redistribution from {src} to {dst}") from None
-
-
-def dtensor_spelling(p: str) -> str:
-    """Placement as plan.json spells it (``P`` -> ``P(sum)``)."""
-    return "P(sum)" if p == "P" else p
-
-
-# ------------------------------------------------------------------------ block branches
-# Each branch reads the (normed) residual stream and adds back into it.
-BRANCHES: dict[str, tuple[str, ...]] = {
-    "attention": ("qkv", "attn_core", "out_proj"),
-    "mlp": ("ffn1", "ffn2"),
-    "router": ("router",),
-    "experts": ("expert_ffn1", "expert_ffn2"),  # between ep all-to-all dispatch and combine
-    "shared_experts": ("shared_ffn1", "shared_ffn2"),
-}
-GLOBAL_OPS = ("embedding", "lm_head")
-
-
 def residual_placement(degrees: Degrees) -> str:
     """Residual-stream placement on the tp dim: S(0) under sequence parallel, else R."""
     return "S(0)" if degrees.sp > 1 else "R"
-
-
-def branch_collectives(ops: tuple[str, ...], choices: list[int], start: str, end: str
-                       ) -> list[tuple[str, str, str, str]]:
-    """Walk a branch: returns [(before_op, src, dst, collective)] for every repair, the
-    last entry's before_op being ``"<end>"``. ``start``/``end`` are the placements
-    arriving at the first op and required after the last."""
-    out = []
-    cur = start
-    for op, c in zip(ops, choices):
-        need, produced = op_placements(op, c, cur)
-        coll = redistribution(cur, need)
-        if coll:
-            out.append((op, cur, need, coll))
-        cur = produced
-    coll = redistribution(cur, end)
-    if coll:
-        out.append(("<end>", cur, end, coll))
-    return out
 
 
 @dataclass

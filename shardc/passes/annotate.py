@@ -6,7 +6,7 @@
   (:meth:`Degrees.logical_mesh`) *without* ``pp``, in the same order (dp, ep, tp; only dims
   of size > 1), spelt ``"S(d)"`` / ``"R"`` / ``"P(sum)"``. Activations are ``S(0)`` (batch
   split) over dp and ep; over tp the fused ops of each branch follow the walk of
-  :func:`shardc.ir.strategy.op_placements`; views, elementwise ops and norms follow their
+  :func:`shardc.ir.contract.walk`; views, elementwise ops and norms follow their
   producer. A single-GPU plan annotates ``["R"]`` on a size-1 ``tp`` dim.
 * ``stage``: the pipeline stage holding the node (``pp`` is represented only here:
   :func:`shardc.ir.strategy.pipeline_stages`; embedding on stage 0, lm_head on the last).
@@ -14,11 +14,11 @@
   producing op's output -- where the DTensor runtime issues the collective, before any
   non-linear op -- or the entry node of a branch's first op):
   ``{collective, mesh_dim, bytes, src, dst, branch, before_op, layer}``; ``before_op`` is the op
-  of :func:`shardc.ir.strategy.branch_collectives` (``"<end>"`` for the branch end,
+  of :func:`shardc.ir.contract.walk` (``"<end>"`` for the branch end,
   ``"dispatch"`` / ``"combine"`` for the expert all-to-alls over ep). A node that carries
   two repairs lists the second under ``"also"``.
 
-Collectives come from :func:`shardc.ir.strategy.branch_collectives`, the walk the cost
+Collectives come from :func:`shardc.ir.contract.walk`, the walk the cost
 model's tables are built from. ``bytes`` follows the cost model's accounting: full tensor
 bytes = ``tokens x width x act_bytes`` with ``width`` the producing op's output features
 (the branch input width for the first op); for the ep all-to-alls, per-rank bytes
@@ -27,17 +27,14 @@ bytes = ``tokens x width x act_bytes`` with ``width`` the producing op's output 
 
 from __future__ import annotations
 
-from shardc.ir.graph import FusedOp, Graph, LayerKind
-from shardc.ir.strategy import (
+from shardc.ir.contract import (
     BRANCHES,
     GLOBAL_OPS,
-    Strategy,
-    branch_collectives,
     dtensor_spelling,
-    op_placements,
-    pipeline_stages,
-    residual_placement,
+    walk,
 )
+from shardc.ir.graph import FusedOp, Graph, LayerKind
+from shardc.ir.strategy import Strategy, pipeline_stages, residual_placement
 
 
 def spmd_dims(strategy: Strategy) -> list[str]:
@@ -59,12 +56,9 @@ class _BranchPlan:
                  hidden: int):
         self.name, self.fops = name, fops
         self.ops = tuple(f.name for f in fops)
-        self.produced: dict[str, str] = {}
-        cur = start
-        for op, c in zip(self.ops, choices):
-            _, cur = op_placements(op, c, cur)
-            self.produced[op] = cur
-        self.walk = branch_collectives(self.ops, choices, start, end)
+        walked = walk(self.ops, choices, start, end)
+        self.produced: dict[str, str] = {s.op: s.produced for s in walked.steps}
+        self.walk = walked.collectives()
         first_width = hidden if name == "experts" else (1 if name == "embedding"
                                                         else fops[0].in_features)
         self.width_before = {self.ops[0]: first_width}
