@@ -4,7 +4,9 @@
 the file suffix (``.py`` model file or HF ``config.json`` -> torch.export frontend; ``.onnx``
 -> :func:`shardc.frontends.onnx_frontend.trace_onnx`, imported lazily) and runs the passes
 (canonicalise -> fused-op grouping -> layer grouping). :func:`graph_from_module` does the
-same for an in-memory ``nn.Module``. Graphs of model files (``.py``, ``config.json``) are
+same for an in-memory ``nn.Module``. Libraries' stderr output and logging while building and
+tracing are swallowed unless ``SHARDC_DEBUG=1`` (:mod:`shardc.frontends.quiet`).
+Graphs of model files (``.py``, ``config.json``) are
 cached on disk (:mod:`shardc.frontends.graph_cache`; ``SHARDC_NO_CACHE=1`` disables it).
 """
 
@@ -18,10 +20,13 @@ from shardc.ir.graph import Graph
 
 def graph_from_module(model, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
     """Trace an ``nn.Module`` (torch.export) and run the passes."""
+    from shardc.frontends.quiet import library_output_captured
     from shardc.frontends.torch_export import trace_module
     from shardc.passes import run_passes
 
-    return run_passes(trace_module(model, tuple(example_inputs), name=name, source=source))
+    with library_output_captured():
+        traced = trace_module(model, tuple(example_inputs), name=name, source=source)
+    return run_passes(traced)
 
 
 def load_graph(path: str | Path, tiny: bool = False) -> Graph:
@@ -50,9 +55,11 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
             cached.source = str(p)  # the same file reached by another path string
             return cached
     from shardc.frontends.model_file import load_model_file  # imports torch: after the cache
+    from shardc.frontends.quiet import library_output_captured
 
-    src = load_model_file(p)
-    model, inputs = src.build(tiny=tiny)
+    with library_output_captured():  # HF config checks and model building log warnings
+        src = load_model_file(p)
+        model, inputs = src.build(tiny=tiny)
     graph = graph_from_module(model, inputs, name=src.name, source=src.source)
     if key is not None:
         graph_cache.store_entry(key, graph)

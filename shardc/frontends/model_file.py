@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import sys
 import traceback
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Callable
 import torch
 
 from shardc.errors import InputError
+from shardc.validate import loads_strict_json
 
 
 @dataclass
@@ -119,7 +119,7 @@ def _load_python(p: Path) -> ModelSource:
 
 def _load_hf_config(p: Path) -> ModelSource:
     try:
-        data = json.loads(p.read_text())
+        data = loads_strict_json(p.read_text())  # NaN / Infinity are not numbers here
     except (OSError, ValueError) as e:
         raise InputError(f"{p}: not a readable JSON file: {e}") from e
     if not isinstance(data, dict) or "model_type" not in data:
