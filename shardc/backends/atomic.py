@@ -1,11 +1,12 @@
 """Atomic output writing: a set of files that appears whole or not at all, and single files.
 
 :func:`write_outputs` (``shardc compile``'s ``--out``, ``shardc bench``'s tables) produces every
-file into a *staging* folder beside the output folder (``.shardc-tmp-<name>-*`` in its parent;
-inside the output folder only when the parent is not writable), then
+file into a *staging* folder (``.shardc-tmp-*``), then
 
-* if the output folder does not exist yet: renames the staging folder to it -- one atomic step;
-* if it exists (a previous run, or a folder of the user's with other files in it): replaces
+* if the output folder does not exist yet (the staging folder was made beside it): renames the
+  staging folder to it -- one atomic step;
+* if it exists (a previous run, or a folder of the user's with other files in it; the staging
+  folder was made inside it, on the same file system as the files it replaces): replaces
   our files one by one with ``os.replace``, after hard-linking each previous file into the
   staging folder; if anything fails before the last file is in place, every replaced file is
   put back, so the previous set stays whole. Files in the folder that are not ours are never
@@ -76,22 +77,20 @@ def _umask() -> int:
 
 
 def _make_staging(out: Path) -> tuple[Path, list[Path]]:
-    """(staging folder, parent folders created for it, deepest first). Beside ``out`` when
-    its parent is writable, else inside an existing ``out``."""
+    """(staging folder, parent folders created for it, deepest first). For a new ``out``
+    beside it (so that one rename publishes the set); for an existing one inside it (the
+    same file system as the files it replaces, even when ``out`` is a symlink)."""
     parent = out.absolute().parent
     created = [p for p in [parent, *parent.parents] if not p.exists()]
     try:
         if (out.exists() and not out.is_dir()) or (parent.exists() and not parent.is_dir()):
             raise NotADirectoryError(20, os.strerror(20))
+        if out.is_dir():
+            return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out)), []
         parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{out.name}-", dir=parent)), created
-    except OSError:
+    except OSError as e:
         _remove_empty(created)
-        if out.is_dir():
-            try:
-                return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out)), []
-            except OSError as e2:
-                e = e2
         raise InputError(f"{out}: cannot write outputs there ({e.strerror or e})") from None
 
 
