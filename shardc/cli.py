@@ -4,24 +4,54 @@ Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``. Errors: :class:`shardc.errors.InputError` -> exit 2,
 :class:`shardc.errors.InfeasibleError` -> exit 3, each as one line on stderr. Any other
 exception is a bug: one line naming it (set ``SHARDC_DEBUG=1`` for the traceback), exit 1.
+Every message is printed as exactly one line (:func:`one_line`): a multi-line exception text
+(a torch.export error, an HF config error, a worker's traceback) is cut to its first line;
+``SHARDC_DEBUG=1`` prints the full text.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
+import re
 import sys
 
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, debugging
 
 COMMANDS = ("compile", "inspect", "simulate", "bench", "verify")
 
 
+MAX_MESSAGE_CHARS = 400  # a longer first line is cut (SHARDC_DEBUG=1 shows it all)
+_FLAG_VALUE_ERROR = re.compile(r"^argument (--[\w-]+): (.*: expected .*)$", re.S)
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: its first non-empty line (whitespace runs squeezed), at most
+    :data:`MAX_MESSAGE_CHARS` characters; when something was dropped, a note says how to see
+    it. Under ``SHARDC_DEBUG=1`` the text is returned whole."""
+    text = str(text)
+    if debugging():
+        return text
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    first = " ".join(lines[0].split()) if lines else ""
+    cut = len(lines) > 1 or len(first) > MAX_MESSAGE_CHARS
+    if len(first) > MAX_MESSAGE_CHARS:
+        first = first[:MAX_MESSAGE_CHARS - 3] + "..."
+    return first + (" (more with SHARDC_DEBUG=1)" if cut else "")
+
+
+class _BadFlagValue(SystemExit):
+    """A flag value refused by its ``type=`` check (:mod:`shardc.validate`): :func:`main`
+    returns exit 2 for it like for any other bad input."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own errors: one line, exit 2
-        sys.stderr.write(f"shardc: error: {message}\n")
-        raise SystemExit(2)
+        m = _FLAG_VALUE_ERROR.match(message)  # our type= checks: "--flag VALUE: expected ..."
+        if m:
+            message = f"{m.group(1)} {m.group(2)}"
+        sys.stderr.write(f"shardc: error: {one_line(message)}\n")
+        raise (_BadFlagValue if m else SystemExit)(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,19 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _BadFlagValue as e:
+        return int(e.code)
     try:
         return int(args._run(args) or 0)
     except ShardcError as e:
-        sys.stderr.write(f"shardc: error: {e}\n")
+        sys.stderr.write(f"shardc: error: {one_line(str(e))}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("shardc: interrupted\n")
         return 130
     except Exception as e:  # a bug: say so in one line unless debugging
-        if os.environ.get("SHARDC_DEBUG"):
+        if debugging():
             raise
-        sys.stderr.write(f"shardc: internal error: {type(e).__name__}: {e} "
+        sys.stderr.write(f"shardc: internal error: {one_line(f'{type(e).__name__}: {e}')} "
                          "(set SHARDC_DEBUG=1 for the traceback)\n")
         return 1
 

@@ -16,3 +16,18 @@ class InputError(ShardcError):
 
 class InfeasibleError(ShardcError):
     exit_code = 3
+
+
+class Terminated(ShardcError):
+    """SIGTERM arrived while outputs were being written; they were rolled back (exit 143,
+    the shell's code for a process ended by SIGTERM)."""
+
+    exit_code = 143
+
+
+def debugging() -> bool:
+    """``SHARDC_DEBUG`` is set (to anything but empty or ``0``): full error texts, tracebacks,
+    and the libraries' own logging while tracing."""
+    import os
+
+    return os.environ.get("SHARDC_DEBUG", "") not in ("", "0")

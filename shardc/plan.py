@@ -16,8 +16,6 @@ every ``nodes`` entry also has ``inputs`` (producer node names) and ``token_dims
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from shardc.ir.contract import (
 from shardc.ir.graph import Graph
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload, residual_placement
 from shardc.text import number_or_dash, one_line
+from shardc.validate import dumps_strict_json, loads_strict_json
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schema" / "plan.schema.json"
@@ -94,20 +93,14 @@ class Plan:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | Path) -> Path:
-        """Write plan.json atomically (temp file in the same directory + os.replace)."""
+        """Write plan.json atomically (temp file in the same directory + os.replace), as
+        strict JSON (a NaN or infinity is a bug: ValueError)."""
+        from shardc.backends.atomic import write_file_atomic
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return write_file_atomic(path, dumps_strict_json(self.to_dict(), indent=2) + "\n",
+                                 str(path))
 
     # ------------------------------------------------------------------ backend
     def code(self) -> str:
@@ -220,9 +213,13 @@ def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; any problem is an :class:`InputError` naming it."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = loads_strict_json(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path}: no such plan file") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a readable JSON plan (binary, not UTF-8 text)") from None
+    except RecursionError:
+        raise InputError(f"{path}: not a readable JSON plan (nested too deeply)") from None
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: not a readable JSON plan ({e})") from None
     if not isinstance(data, dict):
@@ -245,10 +242,17 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
         at = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise InputError(f"{where}: {at}: {err.message}")
     d, m = data["degrees"], data["mesh"]
-    try:
+    w = data["workload"]
+    section = "degrees"
+    try:  # the same checks (and bounds) as the command line's
         deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1))
+        section = "mesh"
+        Mesh(m["gpus_per_node"], m["nodes"])
+        section = "workload"
+        Workload(phase=w["phase"], batch=w["batch"], context=w["context"], prompt=w["prompt"],
+                 tpot_slo_ms=w["tpot_slo_ms"], ttft_slo_ms=w["ttft_slo_ms"])
     except InputError as e:
-        raise InputError(f"{where}: degrees: {e}") from None
+        raise InputError(f"{where}: {section}: {e}") from None
     gpus = m["gpus_per_node"] * m["nodes"]
     if deg.world != gpus:
         raise InputError(f"{where}: degrees tp*pp*ep*dp = {deg.world} but the mesh "
@@ -273,3 +277,80 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
         if n["placements"] and len(n["placements"]) != n_dims:
             raise InputError(f"{where}: node {n['name']!r} has {len(n['placements'])} "
                              f"placements for {n_dims} mesh dims {data['spmd_dims']}")
+    _check_placements(data, deg, where)
+    _check_layers(data, deg, where)
+
+
+def _shard_dim(spelling: str) -> int | None:
+    """``"S(3)"`` -> 3; ``"R"``, ``"P(sum)"`` -> None (the schema allows only these forms)."""
+    return int(spelling[2:-1]) if spelling.startswith("S(") else None
+
+
+def _check_placements(data: dict, deg: Degrees, where: str) -> None:
+    """``spmd_dims`` match the degrees; every placements list has one entry per SPMD dim and
+    shards only dims the tensor has (params and nodes: their shape; ops and collectives: an
+    activation [tokens, features])."""
+    shape, names = deg.logical_mesh()
+    dims = [n for n, size in zip(names, shape) if n != "pp" and size > 1] or ["tp"]
+    if list(data["spmd_dims"]) != dims:
+        raise InputError(f"{where}: spmd_dims {data['spmd_dims']} do not match the degrees "
+                         f"(expected {dims})")
+
+    def check(placements, rank: int, what: str, full: bool = True) -> None:
+        if full and len(placements) != len(dims):
+            raise InputError(f"{where}: {what} has {len(placements)} placements for "
+                             f"{len(dims)} mesh dims {dims}")
+        for pl in placements:
+            i = _shard_dim(pl)
+            if i is not None and i >= rank:
+                raise InputError(f"{where}: {what}: placement {pl} shards dim {i} of a "
+                                 f"{rank}-dim tensor")
+
+    for o in data["ops"]:
+        check(o["placements"], 2, f"op {o['name']!r}")
+        check(o.get("input_placements", []), 2, f"op {o['name']!r} input",
+              full="input_placements" in o)
+        if o["name"].split(".")[-1] != o["kind"]:
+            raise InputError(f"{where}: ops: {o['name']!r} is not an op of kind {o['kind']!r}")
+    for p in data["params"]:
+        check(p["placements"], len(p["shape"]), f"param {p['fqn']!r}")
+    for n in data["nodes"]:
+        # node placements follow the annotation's [tokens, features] activation model, so
+        # a scalar or 1-dim node may carry S(0) / S(1): at least 2 dims are allowed
+        check(n["placements"], max(len(n["shape"]), 2), f"node {n['name']!r}",
+              full=bool(n["placements"]))
+        red = n.get("redistribute")
+        for r in ([red] + list(red.get("also", []))) if red else []:
+            check([r["src"], r["dst"]], 2, f"node {n['name']!r} collective", full=False)
+            if r["mesh_dim"] not in dims:
+                raise InputError(f"{where}: node {n['name']!r}: a collective over mesh dim "
+                                 f"{r['mesh_dim']!r}, not one of {dims}")
+
+
+def _check_layers(data: dict, deg: Degrees, where: str) -> None:
+    """Layer indices and counts agree with ``model.layers``; stages exist under ``pp``."""
+    n_layers = data["model"]["layers"]
+    seen: set[int] = set()
+    for k in data["layer_kinds"]:
+        if k["count"] != len(k["layers"]):
+            raise InputError(f"{where}: layer kind {k['name']!r} has count {k['count']} but "
+                             f"lists {len(k['layers'])} layers")
+        for i in k["layers"]:
+            if i >= n_layers or i in seen:
+                raise InputError(f"{where}: layer kind {k['name']!r} lists layer {i}, "
+                                 + ("listed twice" if i in seen else
+                                    f"but the model has {n_layers} layers (0..{n_layers - 1})"))
+            seen.add(i)
+    if data["layer_kinds"] and len(seen) != n_layers:
+        raise InputError(f"{where}: layer_kinds cover {len(seen)} of the model's {n_layers} "
+                         "layers")
+    if n_layers and deg.pp > n_layers:
+        raise InputError(f"{where}: pp={deg.pp} pipeline stages for {n_layers} layers")
+    for what, rows, key in (("node", data["nodes"], "name"), ("param", data["params"], "fqn")):
+        for r in rows:
+            layer, stage = r.get("layer"), r.get("stage")
+            if layer is not None and not (isinstance(layer, int) and 0 <= layer < n_layers):
+                raise InputError(f"{where}: {what} {r[key]!r} is in layer {layer!r}; the model "
+                                 f"has {n_layers} layers")
+            if stage is not None and not 0 <= stage < deg.pp:
+                raise InputError(f"{where}: {what} {r[key]!r} is on stage {stage}; pp={deg.pp}")

@@ -11,15 +11,16 @@ PKG = Path(__file__).resolve().parents[1] / "shardc"
 
 # rank of each top-level part of shardc: a part may import only parts of lower rank
 RANKS = {
-    "errors": 0, "text": 0,
-    "ir": 1,
-    "cost": 2, "search": 2,
-    "passes": 3,
-    "frontends": 4,
-    "backends": 5,
-    "plan": 6, "driver": 6,
-    "api": 7,
-    "commands": 8, "cli": 8, "__init__": 8,
+    "errors": 0,
+    "text": 1, "validate": 1,
+    "ir": 2,
+    "cost": 3, "search": 3,
+    "passes": 4,
+    "frontends": 5,
+    "backends": 6,
+    "plan": 7, "driver": 7,
+    "api": 8,
+    "commands": 9, "cli": 9, "__init__": 9,
 }
 
 

@@ -1,21 +1,16 @@
 """The files ``shardc compile`` writes, all written atomically into ``--out``.
 
-Every file is first written into a temporary directory beside the output directory and then
-moved into place with ``os.replace`` (atomic per file), after all of them were produced: a
-crash while producing any file leaves the previous outputs untouched and no partial file.
+The writing itself (the whole set appears at once or not at all; a failure or SIGTERM leaves
+the previous outputs whole) is :func:`shardc.backends.atomic.write_outputs`, re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
 from tabulate import tabulate
 
-from shardc.errors import InputError
+from shardc.backends.atomic import write_outputs
+
+__all__ = ["graph_dot", "graph_table", "write_outputs"]
 
 
 def graph_table(nodes: list[dict], note: str = "") -> str:
@@ -94,36 +89,3 @@ def graph_dot(name: str, nodes: list[dict], note: str = "") -> str:
                 lines.append(f"  {ids[i]} -> {ids[n['name']]}{attrs};")
     lines.append("}")
     return "\n".join(lines) + "\n"
-
-
-def write_outputs(out_dir: str | Path, files: dict[str, object]) -> list[Path]:
-    """Write ``{filename: str | bytes | dict | callable(path)}`` atomically into ``out_dir``.
-
-    A dict is written as JSON; a callable is called with the temp path to write the file
-    itself (e.g. matplotlib's savefig). Returns the final paths. An output folder that cannot
-    be created or written is bad input (:class:`~shardc.errors.InputError`, exit 2).
-    """
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".shardc-tmp-", dir=out))
-    except OSError as e:
-        raise InputError(f"{out}: cannot write outputs there ({e.strerror or e})") from None
-    try:
-        for name, content in files.items():
-            p = tmp / name
-            if callable(content):
-                content(p)
-            elif isinstance(content, bytes):
-                p.write_bytes(content)
-            elif isinstance(content, (dict, list)):
-                p.write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
-            else:
-                p.write_text(str(content))
-        final = []
-        for name in files:
-            os.replace(tmp / name, out / name)
-            final.append(out / name)
-        return final
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -13,12 +13,12 @@ curves of seed 0 on the first case).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from shardc.errors import InputError
+from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
 
 HELP = "run the search benchmark suites (paper, zoo) and write tables under benchmarks/"
 SEEDED = ("rl", "sa", "rw", "ga")
@@ -28,16 +28,19 @@ NOTES_MARKER = "<!-- hand-written notes below this line: shardc bench keeps them
 
 def add_arguments(p) -> None:
     p.add_argument("--suite", required=True, help="paper or zoo (shardc/search/suites.toml)")
-    p.add_argument("--budget", type=int, default=None, help="evaluations per search (default: the suite's)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per searcher (default: the suite's)")
+    p.add_argument("--budget", type=int_arg(1, MAX_BUDGET, "evaluations"), default=None,
+                   help="evaluations per search (default: the suite's)")
+    p.add_argument("--seeds", type=int_arg(1, 10_000, "seeds"), default=None,
+                   help="seeds per searcher (default: the suite's)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--jobs", type=int, default=1, help="cases in parallel processes")
+    g.add_argument("--jobs", type=int_arg(1, 1024, "processes"), default=1,
+                   help="cases in parallel processes")
     g.add_argument("--ray", metavar="ADDRESS", default=None, help="run cases on a Ray cluster")
     p.add_argument("--json", default=None, help="rows JSON (default benchmarks/<suite>.json)")
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
     p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated subset")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
-    p.add_argument("--exact-limit", type=float, default=600.0,
+    p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
 
 
@@ -167,7 +170,10 @@ def run(args) -> int:
     if budget < 1 or seeds < 1 or args.jobs < 1:
         raise InputError("--budget, --seeds and --jobs must be positive")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{out}: cannot write outputs there ({e.strerror or e})") from None
     jpath = Path(args.json) if args.json else out / f"{args.suite}.json"
     cmd = " ".join(["shardc", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
         f"shardc bench --suite {args.suite} --budget {budget} --seeds {seeds}"
@@ -194,7 +200,7 @@ def run(args) -> int:
                               title=cases[0]["name"] + " (seed 0)")
 
         write_outputs(out, {md_path.name: text, f"{args.suite}_search.png": plot})
-        write_outputs(jpath.parent, {jpath.name: json.dumps({"rows": rows}, indent=1) + "\n"})
+        write_outputs(jpath.parent, {jpath.name: dumps_strict_json({"rows": rows}, indent=1) + "\n"})
 
     results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray, args.exact_limit,
                        on_case=write)

@@ -7,32 +7,46 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from shardc.errors import InputError
 from shardc.ir.strategy import Workload
 from shardc.text import out_dir_name
+from shardc.validate import (
+    MAX_BATCH,
+    MAX_BUDGET,
+    MAX_MS,
+    MAX_SEED,
+    MAX_TOKENS,
+    batch_arg,
+    float_arg,
+    int_arg,
+)
 
 HELP = "Search the sharding of MODEL for a GPU mesh and emit plan.json + DTensor code."
 
 
+HARDWARE_HELP = ("h100|h200|b200 (a preset) or a TOML file; a value that ends in .toml or "
+                 "contains a path separator is a file, anything else a preset name")
+
+
 def add_workload_arguments(p) -> None:
-    """Flags shared by compile, simulate and bench-like commands (SPEC section 3 defaults)."""
-    p.add_argument("--hardware", default="h100", help="h100|h200|b200 or a TOML file")
+    """Flags shared by compile, simulate and bench-like commands (SPEC section 3 defaults).
+    Numbers are checked at parse time (:mod:`shardc.validate`): finite and in range."""
+    p.add_argument("--hardware", default="h100", help=HARDWARE_HELP)
     p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
-    p.add_argument("--context", type=int, default=4096, help="KV length per decode step (tokens)")
-    p.add_argument("--prompt", type=int, default=2048, help="prompt length for prefill (tokens)")
-    p.add_argument("--batch", default="auto", help="sequences per model replica, or auto")
-    p.add_argument("--tpot-slo", type=float, default=50.0, help="time per output token SLO (ms)")
-    p.add_argument("--ttft-slo", type=float, default=2000.0, help="time to first token SLO (ms)")
+    p.add_argument("--context", type=int_arg(1, MAX_TOKENS, "tokens"), default=4096,
+                   help=f"KV length per decode step (tokens, at most {MAX_TOKENS:,})")
+    p.add_argument("--prompt", type=int_arg(1, MAX_TOKENS, "tokens"), default=2048,
+                   help=f"prompt length for prefill (tokens, at most {MAX_TOKENS:,})")
+    p.add_argument("--batch", type=batch_arg, default=None, metavar="N|auto",
+                   help=f"sequences per model replica (at most {MAX_BATCH:,}), or auto (default)")
+    p.add_argument("--tpot-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=50.0,
+                   help="time per output token SLO (ms; 1000000 = no SLO)")
+    p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
+                   help="time to first token SLO (ms)")
 
 
 def workload_from_args(args) -> Workload:
-    batch = None
-    if str(args.batch) != "auto":
-        try:
-            batch = int(args.batch)
-        except ValueError:
-            raise InputError(f"--batch {args.batch!r}: expected a positive integer or auto") from None
-    return Workload(phase=args.phase, batch=batch, context=args.context, prompt=args.prompt,
+    """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
+    return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
                     tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo)
 
 
@@ -41,8 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--mesh", required=True, help="GxN: N nodes of G GPUs, e.g. 8x128")
     add_workload_arguments(p)
     p.add_argument("--search", default="rl", choices=["rl", "megatron", "sa", "rw", "ga", "exact"])
-    p.add_argument("--budget", type=int, default=4000, help="simulator evaluations")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=int_arg(1, MAX_BUDGET, "evaluations"), default=4000,
+                   help=f"simulator evaluations (at most {MAX_BUDGET:,})")
+    p.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0)
     p.add_argument("--out", default=None, help="output directory (default ./shardc_out/<model>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -9,7 +9,6 @@ every node that passes the ``--layer`` / ``--op`` filters.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from tabulate import tabulate
@@ -17,13 +16,15 @@ from tabulate import tabulate
 from shardc.errors import InputError
 from shardc.ir.graph import FUSED_OP_NAMES, OP_KINDS, Graph, Node, Param
 from shardc.ir.token_dims import shape_text, token_dims, traced_batch_seq
+from shardc.validate import MAX_COUNT, dumps_strict_json, int_arg
 
 HELP = "Show the operator graph of a model: nodes, op kinds, shapes, fused ops, layer kinds."
 
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="model file (.py), .onnx, HF config.json, or a plan.json")
-    p.add_argument("--layer", type=int, default=None, help="only nodes of decoder layer N")
+    p.add_argument("--layer", type=int_arg(0, MAX_COUNT), default=None,
+                   help="only nodes of decoder layer N")
     p.add_argument("--op", default=None,
                    help="only nodes of this op kind (linear, attention, ...) or fused op (qkv, ...)")
     p.add_argument("--format", default="table", choices=["table", "json", "dot"])
@@ -179,8 +180,8 @@ def _is_plan_file(path: str) -> bool:
     if not path.endswith(".json"):
         return False
     try:
-        with open(path) as f:
-            return '"model_type"' not in f.read()
+        with open(path, "rb") as f:
+            return b'"model_type"' not in f.read()
     except OSError:
         return False  # let the model loader say the file is missing
 
@@ -209,7 +210,7 @@ def run(args) -> int:
         doc = graph_json(graph, nodes)
         if space:
             doc["space"] = space
-        text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+        text = dumps_strict_json(doc, indent=1, sort_keys=True) + "\n"
     elif args.format == "dot":
         text = graph_dot(graph, nodes, note)
     else:
@@ -221,8 +222,9 @@ def run(args) -> int:
                     f"choices = {space['configurations']:.3g} configurations "
                     f"({space['legal_configurations']:.3g} legal)\n") + text
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        from shardc.backends.atomic import write_file_atomic
+
+        write_file_atomic(args.out, text, f"--out {args.out}")
     else:
         sys.stdout.write(text)
     return 0

@@ -11,18 +11,18 @@ Exit 3 if the strategy is infeasible (the table is still printed).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 from tabulate import tabulate
 
+from shardc.backends.atomic import write_file_atomic
 from shardc.commands.compile import add_workload_arguments, workload_from_args
 from shardc.errors import InfeasibleError, InputError
 from shardc.ir.contract import CHOICE_NAMES
 from shardc.ir.space import StrategySpace, megatron_op_choices
 from shardc.ir.strategy import Degrees, Mesh, Strategy
+from shardc.validate import dumps_strict_json
 
 HELP = "Predict throughput, latency and memory of one sharding strategy (no search)."
 
@@ -154,10 +154,8 @@ def run(args) -> int:
                             "ttft_slo_ms": workload.ttft_slo_ms},
                "degrees": deg.as_dict(), "choices": strategy.choice_names(),
                "predicted": ex.predicted}
-        try:
-            Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        except OSError as e:
-            raise InputError(f"--json {args.json}: cannot write ({e.strerror})") from None
+        write_file_atomic(args.json, dumps_strict_json(doc, indent=2, sort_keys=True) + "\n",
+                          f"--json {args.json}")
     if not ex.feasible:
         raise InfeasibleError(f"strategy infeasible: {rejection_detail(cm, strategy)}")
     return 0

@@ -41,8 +41,9 @@ def _f(x) -> float:
     return float(np.asarray(x).reshape(-1)[0])
 
 
-def _none_if_nan(x: float):
-    return None if math.isnan(x) else x
+def _finite_or_none(x: float):
+    """``x``, or None where it is undefined (NaN) or unbounded (inf): plan.json is strict JSON."""
+    return x if math.isfinite(x) else None
 
 
 def _simulate_one(cm, strategy: Strategy):
@@ -131,10 +132,10 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     breakdown = dict(ex.totals)
     breakdown.update(stage_ms=ex.stage_ms, memory=ex.memory, feasible=ex.feasible,
                      reason=ex.reason, hardware=cm.hw.name, phase=cm.workload.phase)
-    ex.predicted = dict(tok_s_per_gpu=float(ev.tok_s_per_gpu[0]),
-                        tpot_ms=_none_if_nan(float(ev.tpot_ms[0])),
-                        ttft_ms=_none_if_nan(float(ev.ttft_ms[0])),
-                        memory_gb_per_gpu=float(ev.memory_gb_per_gpu[0]),
+    ex.predicted = dict(tok_s_per_gpu=_finite_or_none(float(ev.tok_s_per_gpu[0])),
+                        tpot_ms=_finite_or_none(float(ev.tpot_ms[0])),
+                        ttft_ms=_finite_or_none(float(ev.ttft_ms[0])),
+                        memory_gb_per_gpu=_finite_or_none(float(ev.memory_gb_per_gpu[0])),
                         breakdown=breakdown)
     return ex
 

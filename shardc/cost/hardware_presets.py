@@ -1,8 +1,11 @@
 """Hardware presets: data files ``shardc/cost/hardware/<name>.toml`` -> :class:`Hardware`.
 
 ``load_hardware("h100")`` reads a preset; ``load_hardware("my.toml")`` reads a user file that
-may name a preset to start from (``base = "h100"``) and override any field of it. Unknown
-keys, missing fields, non-numbers and unreadable files raise :class:`InputError`.
+may name a preset to start from (``base = "h100"``) and override any field of it. A value is
+a file when it ends in ``.toml`` or contains a path separator, otherwise a preset name (a file
+or folder called ``h100`` in the working directory does not shadow the preset; write
+``./h100`` for it). Unknown keys, missing fields, non-numbers, NaN/infinite or out-of-range
+values (:data:`MAX_FIELD_VALUE`) and unreadable files raise :class:`InputError`.
 Units are part of the field names (``_tflops`` = 1e12 FLOP/s, ``_gb_s`` = 1e9 bytes/s,
 ``_tb_s`` = 1e12 bytes/s, ``_gb`` = 1e9 bytes, ``_us`` = microseconds); ``*_eff`` are the
 achieved fractions of the corresponding peak.
@@ -10,14 +13,20 @@ achieved fractions of the corresponding peak.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import tomllib
 
 from shardc.errors import InputError
+from shardc.validate import MAX_GPUS, check_number
 
 PRESET_DIR = Path(__file__).with_name("hardware")
+MAX_FIELD_VALUE = 1e15  # any numeric field, in its own unit: far above any real GPU
+_ZERO_OK = ("headroom", "workspace_gb", "a2a_peer_us", "kernel_overhead_us",
+            "collective_base_us", "nvlink_hop_us", "net_hop_us")
+_FRACTIONS = ("gemm_eff", "attention_eff", "hbm_eff", "nvlink_eff", "nic_eff")
 
 
 @dataclass(frozen=True)
@@ -92,8 +101,17 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(fh)
     except OSError as e:
         raise InputError(f"--hardware {path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"--hardware {path}: not a text TOML file (not UTF-8)") from None
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"--hardware {path}: malformed TOML ({e})") from None
+
+
+def is_hardware_file(spec: str) -> bool:
+    """The ``--hardware`` rule: a file when the value ends in ``.toml`` or contains a path
+    separator; anything else is a preset name."""
+    seps = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
+    return spec.endswith(".toml") or any(sep in spec for sep in seps)
 
 
 def _resolve(spec: str, seen: tuple[str, ...] = ()) -> dict:
@@ -101,13 +119,14 @@ def _resolve(spec: str, seen: tuple[str, ...] = ()) -> dict:
     if spec in seen:
         raise InputError(f"--hardware: 'base' chain loops through {spec!r}")
     p = Path(spec)
-    if p.suffix == ".toml" or p.exists():
+    if is_hardware_file(spec):
         path, label = p, str(p)
     elif (PRESET_DIR / f"{spec}.toml").exists():
         path, label = PRESET_DIR / f"{spec}.toml", spec
     else:
-        raise InputError(f"--hardware {spec!r}: expected one of {', '.join(preset_names())} "
-                         "or a .toml file")
+        raise InputError(f"--hardware {spec!r}: unknown preset (expected one of "
+                         f"{', '.join(preset_names())}, or a file: a path ending in .toml or "
+                         "containing /)")
     raw = _read_toml(path)
     base = raw.pop("base", None)
     merged: dict = {}
@@ -119,7 +138,7 @@ def _resolve(spec: str, seen: tuple[str, ...] = ()) -> dict:
     if unknown:
         raise InputError(f"--hardware {label}: unknown field(s) {', '.join(unknown)}")
     merged.update(raw)
-    merged.setdefault("name", p.stem if p.suffix == ".toml" else spec)
+    merged.setdefault("name", p.stem if is_hardware_file(spec) else spec)
     return merged
 
 
@@ -137,16 +156,17 @@ def load_hardware(name_or_path: str | Hardware) -> Hardware:
         if k in ("name", "description"):
             kw[k] = str(v)
             continue
+        what = f"--hardware {name_or_path}: {k}"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InputError(f"--hardware {name_or_path}: {k} = {v!r} is not a number")
-        if v < 0 or (v == 0 and k not in ("headroom", "workspace_gb", "a2a_peer_us",
-                                          "kernel_overhead_us", "collective_base_us",
-                                          "nvlink_hop_us", "net_hop_us")):
-            raise InputError(f"--hardware {name_or_path}: {k} = {v} must be positive")
-        kw[k] = int(v) if k == "nvlink_domain" else float(v)
-    for k in ("gemm_eff", "attention_eff", "hbm_eff", "nvlink_eff", "nic_eff"):
-        if kw[k] > 1.0:
-            raise InputError(f"--hardware {name_or_path}: {k} = {kw[k]} is a fraction (<= 1)")
-    if kw["headroom"] >= 1.0:
-        raise InputError(f"--hardware {name_or_path}: headroom must be a fraction below 1")
+            raise InputError(f"{what} = {v!r} is not a number")
+        if k == "nvlink_domain":
+            kw[k] = check_number(v, what, integer=True, minimum=1, maximum=MAX_GPUS, unit="GPUs")
+        elif k in _FRACTIONS:
+            kw[k] = check_number(v, what, above=0, maximum=1.0, unit="a fraction of peak")
+        elif k == "headroom":
+            kw[k] = check_number(v, what, minimum=0, maximum=0.99, unit="a fraction of HBM")
+        elif k in _ZERO_OK:
+            kw[k] = check_number(v, what, minimum=0, maximum=MAX_FIELD_VALUE)
+        else:  # peaks, bandwidths, capacities, curve constants: strictly positive
+            kw[k] = check_number(v, what, above=0, maximum=MAX_FIELD_VALUE)
     return Hardware(**kw)

@@ -6,7 +6,9 @@ the file suffix (``.py`` model file or HF ``config.json`` -> torch.export fronte
 (canonicalise -> fused-op grouping -> layer grouping). A model file whose ``build_model``
 takes ``num_layers`` is traced at a reduced depth and expanded to the exact full-depth graph
 (:mod:`shardc.frontends.reduced_depth`). :func:`graph_from_module` does the
-same for an in-memory ``nn.Module``. Graphs of model files (``.py``, ``config.json``) are
+same for an in-memory ``nn.Module``. Libraries' stderr output and logging while building and
+tracing are swallowed unless ``SHARDC_DEBUG=1`` (:mod:`shardc.frontends.quiet`).
+Graphs of model files (``.py``, ``config.json``) are
 cached on disk (:mod:`shardc.frontends.graph_cache`; ``SHARDC_NO_CACHE=1`` disables it).
 """
 
@@ -21,10 +23,13 @@ from shardc.ir.graph import Graph
 
 def graph_from_module(model, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
     """Trace an ``nn.Module`` (torch.export) and run the passes."""
+    from shardc.frontends.quiet import library_output_captured
     from shardc.frontends.torch_export import trace_module
     from shardc.passes import run_passes
 
-    return run_passes(trace_module(model, tuple(example_inputs), name=name, source=source))
+    with library_output_captured():
+        traced = trace_module(model, tuple(example_inputs), name=name, source=source)
+    return run_passes(traced)
 
 
 def load_graph(path: str | Path, tiny: bool = False) -> Graph:
@@ -54,10 +59,12 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
             return cached
     from shardc.frontends.imports import recording_imports
     from shardc.frontends.model_file import load_model_file  # imports torch: after the cache
+    from shardc.frontends.quiet import library_output_captured
 
     with recording_imports() as imported:
-        src = load_model_file(p)
-        model, inputs = src.build(tiny=tiny)
+        with library_output_captured():  # HF config checks and model building log warnings
+            src = load_model_file(p)
+            model, inputs = src.build(tiny=tiny)
         graph = None if tiny else _reduced_depth_graph(src, model, inputs)
         if graph is None:
             graph = graph_from_module(model, inputs, name=src.name, source=src.source)
@@ -74,8 +81,11 @@ def _reduced_depth_graph(src, model, inputs) -> Graph | None:
 
     if not (reduced_depth.enabled() and reduced_depth.accepts_num_layers(src.build_model)):
         return None
+    from shardc.frontends.quiet import library_output_captured
+
     try:
-        raw = reduced_depth.trace_reduced(src, model, inputs)
+        with library_output_captured():
+            raw = reduced_depth.trace_reduced(src, model, inputs)
     except reduced_depth.NotProvable as e:
         sys.stderr.write(f"shardc: note: {src.source}: tracing every layer (a reduced-depth "
                          f"trace cannot be proven exact: {e})\n")

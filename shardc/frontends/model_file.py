@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import sys
 import traceback
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from shardc.frontends.imports import forget_folder_modules, user_code
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+from shardc.validate import loads_strict_json
 
 
 @dataclass
@@ -146,7 +146,7 @@ _CODE_KEYS = ("auto_map", "trust_remote_code")  # config.json keys naming custom
 
 def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
     try:
-        data = json.loads(p.read_text())
+        data = loads_strict_json(p.read_text())  # NaN / Infinity are not numbers here
     except (OSError, ValueError) as e:
         raise InputError(f"{p}: not a readable JSON file: {e}") from e
     if not isinstance(data, dict) or "model_type" not in data:

@@ -22,16 +22,13 @@ import numpy as np
 from shardc.ir.contract import GLOBAL_OPS, NUM_CHOICES, legal, op_choice
 from shardc.ir.graph import FUSED_OP_NAMES, Graph
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
+from shardc.validate import divisors
 
 DEGREE_COMPONENTS = ("tp", "ep", "pp", "sp", "batch")
 MAX_TP = 64
 MAX_PP = 64
 DECODE_BATCHES = tuple(2**i for i in range(0, 13))  # 1 .. 4096 sequences per replica
 PREFILL_BATCHES = tuple(2**i for i in range(0, 9))  # 1 .. 256 prompts per replica
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -47,9 +44,9 @@ class StrategySpace:
         g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
         hidden = int(cfg.get("hidden", 0)) or 1
         experts = int(cfg.get("num_experts", 0) or 0)
-        tp = [d for d in _divisors(world) if d <= MAX_TP and hidden % d == 0]
-        ep = [d for d in _divisors(world) if experts and experts % d == 0] or [1]
-        pp = [d for d in _divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
+        tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0]
+        ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
+        pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
         sp = [0, 1] if self.workload.phase == "prefill" else [0]
         if self.workload.batch is not None:
             batch = [int(self.workload.batch)]

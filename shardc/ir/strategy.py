@@ -25,6 +25,14 @@ from dataclasses import dataclass, field
 
 from shardc.errors import InputError
 from shardc.ir.contract import choice_name
+from shardc.validate import (
+    MAX_BATCH,
+    MAX_GPUS,
+    MAX_MS,
+    MAX_TOKENS,
+    check_number,
+    parse_int_text,
+)
 
 # ------------------------------------------------------------------------- mesh, workload
 _MESH_RE = re.compile(r"^\s*(\d+)x(\d+)\s*$")
@@ -32,10 +40,19 @@ _MESH_RE = re.compile(r"^\s*(\d+)x(\d+)\s*$")
 
 @dataclass(frozen=True)
 class Mesh:
-    """Physical cluster: ``nodes`` nodes of ``gpus_per_node`` GPUs (one NVLink domain each)."""
+    """Physical cluster: ``nodes`` nodes of ``gpus_per_node`` GPUs (one NVLink domain each);
+    at most :data:`~shardc.validate.MAX_GPUS` GPUs in all."""
 
     gpus_per_node: int
     nodes: int
+
+    def __post_init__(self):
+        for name in ("gpus_per_node", "nodes"):
+            check_number(getattr(self, name), f"mesh {name}", integer=True, minimum=1,
+                         maximum=MAX_GPUS)
+        if self.gpus > MAX_GPUS:
+            raise InputError(f"mesh {self}: {self.gpus:,} GPUs is more than shardc plans for "
+                             f"(at most {MAX_GPUS:,} GPUs in all)")
 
     @property
     def gpus(self) -> int:
@@ -47,12 +64,17 @@ class Mesh:
     @classmethod
     def parse(cls, text: str) -> Mesh:
         m = _MESH_RE.match(str(text))
-        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        g_txt, n_txt = ((x.lstrip("0") or "0") for x in m.groups()) if m else ("0", "0")
+        if g_txt == "0" or n_txt == "0":
             raise InputError(
-                f"--mesh {text!r}: expected GxN with positive integers "
+                f"--mesh {str(text)[:40]!r}: expected GxN with positive integers "
                 "(G GPUs per node x N nodes), e.g. 8x128"
             )
-        return cls(int(m.group(1)), int(m.group(2)))
+        if max(len(g_txt), len(n_txt)) > 12 or int(g_txt) * int(n_txt) > MAX_GPUS:
+            shown = text.strip() if len(text.strip()) <= 30 else text.strip()[:27] + "..."
+            raise InputError(f"--mesh {shown}: more GPUs than shardc plans for "
+                             f"(at most {MAX_GPUS:,} GPUs in all)")
+        return cls(int(g_txt), int(n_txt))
 
 
 @dataclass
@@ -74,12 +96,15 @@ class Workload:
         if self.phase not in ("decode", "prefill"):
             raise InputError(f"--phase {self.phase!r}: expected decode or prefill")
         for name in ("context", "prompt"):
-            if int(getattr(self, name)) < 1:
-                raise InputError(f"--{name} must be a positive number of tokens")
-        if self.batch is not None and int(self.batch) < 1:
-            raise InputError("--batch must be a positive integer or auto")
-        if self.tpot_slo_ms <= 0 or self.ttft_slo_ms <= 0:
-            raise InputError("SLOs must be positive milliseconds")
+            setattr(self, name, check_number(getattr(self, name), f"--{name}", integer=True,
+                                             minimum=1, maximum=MAX_TOKENS, unit="tokens"))
+        if self.batch is not None:
+            self.batch = check_number(self.batch, "--batch", integer=True, minimum=1,
+                                      maximum=MAX_BATCH, unit="sequences")
+        for name in ("tpot_slo_ms", "ttft_slo_ms"):
+            flag = "--" + name.removesuffix("_ms").replace("_", "-")
+            setattr(self, name, check_number(getattr(self, name), flag, above=0,
+                                             maximum=MAX_MS, unit="ms"))
 
 
 # ------------------------------------------------------------------------------ degrees
@@ -99,8 +124,8 @@ class Degrees:
 
     def __post_init__(self):
         for k in ("tp", "pp", "ep", "dp", "sp"):
-            if int(getattr(self, k)) < 1:
-                raise InputError(f"degree {k}={getattr(self, k)} must be >= 1")
+            check_number(getattr(self, k), f"degree {k}", integer=True, minimum=1,
+                         maximum=MAX_GPUS)
         if self.sp not in (1, self.tp):
             raise InputError(f"sp={self.sp} must be 1 or equal to tp={self.tp}")
 
@@ -143,13 +168,12 @@ class Degrees:
             k, v = (s.strip() for s in part.split("=", 1))
             if k not in ("tp", "pp", "ep", "dp", "sp"):
                 raise InputError(f"--degrees: unknown degree {k!r} (expected tp, pp, ep, dp, sp)")
+            if k in kw:
+                raise InputError(f"--degrees {text!r}: {k} is given twice")
             if k == "sp" and v in ("on", "off"):
                 kw[k] = -1 if v == "on" else 1
                 continue
-            try:
-                kw[k] = int(v)
-            except ValueError:
-                raise InputError(f"--degrees: {k}={v!r} is not an integer") from None
+            kw[k] = parse_int_text(v, f"--degrees {k}", minimum=1, maximum=MAX_GPUS)
         if kw.get("sp") == -1:
             kw["sp"] = kw.get("tp", 1)
         return cls(**kw)

@@ -19,14 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
+from shardc.validate import is_prime
 
 TP, EP, PP, SP, BATCH = range(5)
 N_DEG = len(DEGREE_COMPONENTS)
-
-
-def _primes_upto(n: int) -> np.ndarray:
-    return np.array([p for p in range(2, n + 1) if all(p % q for q in range(2, int(p**0.5) + 1))],
-                    dtype=np.int64)
 
 
 class LegalSampler:
@@ -65,7 +61,9 @@ class LegalSampler:
         one_up = up.sum(axis=2) == 1
         one_down = down.sum(axis=2) == 1
         factor = np.where(up, ratio, 1.0).prod(axis=2)
-        prime = np.isin(np.round(factor).astype(np.int64), _primes_upto(world))
+        factor = np.round(factor).astype(np.int64)
+        primes = [f for f in np.unique(factor).tolist() if is_prime(f)]  # few distinct values
+        prime = np.isin(factor, np.array(primes, dtype=np.int64))
         adj = one_up & one_down & (same.sum(axis=2) == 2) & prime
         lookup = np.full(self.pp_mask.size, -1, dtype=np.int64)
         lookup[np.ravel_multi_index(idx.T, self.pp_mask.shape)] = np.arange(len(idx))
