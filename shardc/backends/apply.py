@@ -125,7 +125,7 @@ class ModelSharder:
         if att.mla:
             shard_mla(rt, att, layer)
             return
-        for mod, pre in att.qkv + [att.out]:
+        for mod, pre in att.qkv + [att.out] + att.qk_norms:
             rt.place_module_params(mod, pre)
         rt.hook_chain([[m for m, _ in att.qkv], [], [att.out[0]]], steps, rt.residual,
                       unfuse=[att.fused, 1, 1])

@@ -34,6 +34,10 @@ class AttentionSite:
     # RMSNorms; all three lists are part of the fused ``qkv`` op.
     down: list[tuple[nn.Module, str]] = field(default_factory=list)
     down_norms: list[tuple[nn.Module, str]] = field(default_factory=list)
+    # RMSNorms of q and k inside attention (Qwen3: per head over head_dim; OLMoE: over the
+    # whole projection), replicated; applied by the layout-aware forward
+    qk_norms: list[tuple[nn.Module, str]] = field(default_factory=list)
+    q_low_rank: bool = True  # MLA: q through q_a_proj / q_b_proj (False: q_proj directly)
 
     @property
     def mla(self) -> bool:
@@ -116,9 +120,9 @@ class HFCausalLM:
                                     for n in ("q_proj", "k_proj", "v_proj")],
                                 (a.o_proj, f"{pre}.self_attn.o_proj"), 1,
                                 cfg.num_attention_heads, cfg.num_key_value_heads)
-        norms = [(lay.input_layernorm, f"{pre}.input_layernorm"),
-                 (lay.post_attention_layernorm, f"{pre}.post_attention_layernorm")]
-        sites = LayerSites(i, lay, pre, att, norms)
+        att.qk_norms = [(getattr(a, n), f"{pre}.self_attn.{n}") for n in ("q_norm", "k_norm")
+                        if isinstance(getattr(a, n, None), nn.Module)]
+        sites = LayerSites(i, lay, pre, att, layer_norms(lay, pre))
         mlp = lay.mlp
         if hasattr(mlp, "experts"):
             ex = mlp.experts
@@ -142,18 +146,33 @@ class HFCausalLM:
         return _HFStage(self, layers, first, last)
 
 
+def layer_norms(layer: nn.Module, pre: str) -> list[tuple[nn.Module, str]]:
+    """The decoder layer's own norms: its direct children holding only 1-D parameters
+    (input / post-attention norms; Gemma-2's pre- and post-feedforward norms too). They run
+    on the residual stream, replicated."""
+    out = []
+    for name, mod in layer.named_children():
+        ps = list(mod.parameters())
+        if ps and all(p.ndim == 1 for p in ps):
+            out.append((mod, f"{pre}.{name}"))
+    return out
+
+
 def _mla_site(a: nn.Module, pre: str, cfg) -> AttentionSite:
-    """DeepSeek's multi-head latent attention as one fused ``qkv`` op (see AttentionSite)."""
+    """DeepSeek's multi-head latent attention as one fused ``qkv`` op (see AttentionSite).
+    Without a q low-rank projection (DeepSeek-V2-Lite: ``q_lora_rank`` None) ``q_proj`` reads
+    the block input directly and is an up projection like ``q_b_proj``."""
+    kv_down = (a.kv_a_proj_with_mqa, f"{pre}.kv_a_proj_with_mqa")
+    kv_norm = (a.kv_a_layernorm, f"{pre}.kv_a_layernorm")
+    heads = cfg.num_attention_heads
     if getattr(a, "q_a_proj", None) is None:
-        raise InputError(f"{pre}: MLA without a q low-rank projection (q_lora_rank None) is "
-                         "not supported by the DTensor backend")
+        return AttentionSite(a, [(a.q_proj, f"{pre}.q_proj"), (a.kv_b_proj, f"{pre}.kv_b_proj")],
+                             (a.o_proj, f"{pre}.o_proj"), 1, heads, heads,
+                             down=[kv_down], down_norms=[kv_norm], q_low_rank=False)
     return AttentionSite(a, [(a.q_b_proj, f"{pre}.q_b_proj"), (a.kv_b_proj, f"{pre}.kv_b_proj")],
-                         (a.o_proj, f"{pre}.o_proj"), 1, cfg.num_attention_heads,
-                         cfg.num_attention_heads,
-                         down=[(a.q_a_proj, f"{pre}.q_a_proj"),
-                               (a.kv_a_proj_with_mqa, f"{pre}.kv_a_proj_with_mqa")],
-                         down_norms=[(a.q_a_layernorm, f"{pre}.q_a_layernorm"),
-                                     (a.kv_a_layernorm, f"{pre}.kv_a_layernorm")])
+                         (a.o_proj, f"{pre}.o_proj"), 1, heads, heads,
+                         down=[(a.q_a_proj, f"{pre}.q_a_proj"), kv_down],
+                         down_norms=[(a.q_a_layernorm, f"{pre}.q_a_layernorm"), kv_norm])
 
 
 class _HFStage(nn.Module):
@@ -212,7 +231,7 @@ class GPTMoEModel:
         a, cfg = lay.attn, self.config
         att = AttentionSite(a, [(a.qkv, f"{pre}.attn.qkv")], (a.out, f"{pre}.attn.out"), 3,
                             cfg.num_heads, cfg.num_heads)
-        norms = [(lay.ln_attn, f"{pre}.ln_attn"), (lay.ln_moe, f"{pre}.ln_moe")]
+        norms = layer_norms(lay, pre)
         moe = lay.moe
         site = MoESite(moe, f"{pre}.moe", (moe.router, f"{pre}.moe.router"), moe.experts,
                        "w_in", "w_out", False, False, F.gelu, cfg.top_k, cfg.num_experts)

@@ -105,8 +105,11 @@ def _pack(rt: ShardingRuntime, flat: torch.Tensor, top_i: torch.Tensor, num_expe
 def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, top-k experts), each [T, top_k], from router logits [T, E]: the
     maths of the model's own router: softmax top-k (renormalised unless the router says
-    ``norm_topk_prob=False``: Mixtral, Qwen-MoE, GPT-MoE) or DeepSeek-V3's sigmoid scores
-    with the score-correction bias, group-limited top-k and the routed scaling factor."""
+    ``norm_topk_prob=False``: Mixtral, Qwen-MoE, OLMoE, GPT-MoE), DeepSeek-V3's sigmoid
+    scores with the score-correction bias, group-limited top-k and the routed scaling
+    factor, or DeepSeek-V2's softmax with greedy / group-limited top-k times the routed
+    scaling factor, not renormalised (its router has ``topk_method``). Other routers are
+    refused before sharding (:func:`shardc.backends.support.backend_problem`)."""
     r = site.router[0]
     logits = logits.float()
     if hasattr(r, "e_score_correction_bias"):
@@ -122,6 +125,17 @@ def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         if r.norm_topk_prob:
             top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
         top_w = top_w * r.routed_scaling_factor
+    elif hasattr(r, "topk_method"):  # DeepSeek-V2: softmax, (group-limited) greedy top-k
+        scores = F.softmax(logits, dim=-1)
+        if r.topk_method == "group_limited_greedy":
+            t, e, ng = scores.shape[0], scores.shape[1], int(r.num_group)
+            group_idx = torch.topk(scores.view(t, ng, e // ng).max(dim=-1).values,
+                                   k=int(r.topk_group), dim=-1)[1]
+            keep = torch.zeros(t, ng, dtype=torch.bool).scatter(1, group_idx, True)
+            scores = scores.masked_fill(~keep.unsqueeze(-1).expand(t, ng, e // ng).reshape(t, e),
+                                        0.0)
+        top_w, top_i = torch.topk(scores, site.top_k, dim=-1)
+        top_w = top_w * r.routed_scaling_factor  # not renormalised
     else:
         probs = F.softmax(logits, dim=-1)
         top_w, top_i = torch.topk(probs, site.top_k, dim=-1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardc.errors import InputError
 from shardc.ir.graph import FUSED_OP_NAMES, Graph
 from shardc.ir.strategy import (
     GLOBAL_OPS,
@@ -40,6 +41,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_positions(graph: Graph, workload: Workload) -> None:
+    """InputError when the workload's sequence (decode: ``--context``, the KV length of a
+    step; prefill: ``--prompt``) is longer than the model's ``max_position_embeddings``
+    (``Graph.config``, recorded by the frontend from the model's config)."""
+    limit = int(graph.config.get("max_position_embeddings", 0) or 0)
+    flag, tokens = (("--context", workload.context) if workload.phase == "decode"
+                    else ("--prompt", workload.prompt))
+    if limit and int(tokens) > limit:
+        raise InputError(f"{flag} {int(tokens)} tokens is longer than {graph.name or 'the model'}'s "
+                         f"max_position_embeddings {limit}")
+
+
 @dataclass
 class StrategySpace:
     graph: Graph
@@ -50,6 +63,7 @@ class StrategySpace:
     _op_mask_by_tp: np.ndarray | None = None  # [n_tp, n_slots, 3]
 
     def __post_init__(self):
+        check_positions(self.graph, self.workload)
         g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
         hidden = int(cfg.get("hidden", 0)) or 1
         experts = int(cfg.get("num_experts", 0) or 0)
