@@ -97,7 +97,10 @@ def install_attention(site: AttentionSite, family: str, rt=None) -> None:
         hd = int(mod.head_dim)
         norms = {pre.rsplit(".", 1)[-1]: m for m, pre in site.qk_norms}
         per_head = all(int(m.weight.shape[0]) == hd for m in norms.values())
-        window = getattr(mod, "sliding_window", None)
+        # per layer on the module (Qwen2, Gemma-2), else the model's mask uses the config's
+        # (Mistral, Mixtral, Phi-3.5-MoE)
+        window = mod.sliding_window if hasattr(mod, "sliding_window") else \
+            getattr(mod.config, "sliding_window", None)
         softcap = getattr(mod, "attn_logit_softcapping", None)
 
         def normed(t, name):

@@ -60,6 +60,7 @@ class MoESite:
     # shared experts (DeepSeek): ([gate_proj, up_proj], down_proj, module) -- fused ops
     # shared_ffn1 / shared_ffn2, run on the same (normed) residual as the router
     shared: tuple | None = None
+    routing: str | None = "softmax_topk"  # see routing_kind()
 
 
 @dataclass
@@ -72,6 +73,33 @@ class LayerSites:
     mlp: tuple[list[tuple[nn.Module, str]], tuple[nn.Module, str]] | None = None
     moe: MoESite | None = None
     extra: dict = field(default_factory=dict)
+
+
+def routing_kind(router: nn.Module) -> str | None:
+    """Which routing maths an HF MoE router computes (None: one the backend does not know).
+
+    ``sigmoid_group``: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k);
+    ``softmax_greedy``: DeepSeek-V2 (``topk_method`` greedy / group-limited greedy, scaled,
+    not renormalised); ``sparsemixer``: Phi-3.5-MoE (top-2 by successive masked maxima);
+    ``softmax_topk``: softmax over the experts then top-k (Mixtral, Qwen-MoE, OLMoE). Read
+    from the router's attributes and the source of its ``forward`` (as transformers itself
+    inspects model sources), so a router computing something else is refused, not guessed."""
+    import inspect
+
+    if hasattr(router, "e_score_correction_bias"):
+        return "sigmoid_group"
+    if hasattr(router, "topk_method"):
+        ok = router.topk_method in ("greedy", "group_limited_greedy")
+        return "softmax_greedy" if ok else None
+    try:
+        src = inspect.getsource(type(router).forward)
+    except (OSError, TypeError):
+        return None
+    if "sparsemixer(" in src and int(getattr(router, "top_k", 2)) == 2:
+        return "sparsemixer"
+    if "softmax" in src and "topk" in src and src.index("softmax") < src.index("topk"):
+        return "softmax_topk"
+    return None
 
 
 class HFCausalLM:
@@ -126,16 +154,18 @@ class HFCausalLM:
         mlp = lay.mlp
         if hasattr(mlp, "experts"):
             ex = mlp.experts
+            gate_name = "gate" if hasattr(mlp, "gate") else "router"
+            router = getattr(mlp, gate_name)
             shared = None
             sh = getattr(mlp, "shared_experts", None)
             if sh is not None:
                 sp = f"{pre}.mlp.shared_experts"
                 shared = ([(sh.gate_proj, f"{sp}.gate_proj"), (sh.up_proj, f"{sp}.up_proj")],
                           (sh.down_proj, f"{sp}.down_proj"), sh)
-            sites.moe = MoESite(mlp, f"{pre}.mlp", (mlp.gate, f"{pre}.mlp.gate"), ex,
+            sites.moe = MoESite(mlp, f"{pre}.mlp", (router, f"{pre}.mlp.{gate_name}"), ex,
                                 "gate_up_proj", "down_proj", True, True, ex.act_fn,
                                 int(getattr(mlp, "top_k", cfg.num_experts_per_tok)),
-                                int(ex.num_experts), shared)
+                                int(ex.num_experts), shared, routing_kind(router))
         else:
             sites.mlp = ([(mlp.gate_proj, f"{pre}.mlp.gate_proj"),
                           (mlp.up_proj, f"{pre}.mlp.up_proj")],

@@ -8,8 +8,9 @@
   router and expert weights, the layer's own norms, q/k norms inside attention) -- an
   unplaced one (an attention sink, an expert bias, a shared-expert gate) is a part the
   sharded forward would skip;
-* the MoE routing must be one :func:`shardc.backends.moe.route` implements (softmax top-k,
-  DeepSeek-V2 / V3 routers), the stacked expert weights in the layout the runtime reads;
+* the MoE routing must be one :func:`shardc.backends.moe.route` implements
+  (:func:`shardc.backends.models.routing_kind`), the stacked expert weights in the layout
+  the runtime reads;
 * q/k norms inside attention must be weight-only RMSNorms (:func:`attention.qk_norm`);
 * attention features the layout-aware forward does not implement are refused (chunked
   attention, layers without rotary embeddings).
@@ -18,8 +19,6 @@
 """
 
 from __future__ import annotations
-
-import inspect
 
 from torch import nn
 
@@ -30,23 +29,6 @@ def _params_of(mod: nn.Module, prefix: str, names=None) -> set[str]:
     if names is not None:
         return {f"{prefix}.{n}" for n in names}
     return {f"{prefix}.{n}" for n, _ in mod.named_parameters()}
-
-
-def _routing_problem(router: nn.Module) -> str | None:
-    """None when :func:`shardc.backends.moe.route` computes this router's maths."""
-    if hasattr(router, "e_score_correction_bias"):
-        return None  # DeepSeek-V3
-    if hasattr(router, "topk_method"):
-        method = router.topk_method
-        return None if method in ("greedy", "group_limited_greedy") else \
-            f"router top-k method {method!r}"
-    try:
-        src = inspect.getsource(type(router).forward)
-    except (OSError, TypeError):
-        return f"router {type(router).__name__} (source not readable)"
-    if "softmax" in src and "topk" in src and src.index("softmax") < src.index("topk"):
-        return None  # softmax over the experts, then top-k (Mixtral, Qwen-MoE, OLMoE)
-    return f"router {type(router).__name__} (routing other than softmax then top-k)"
 
 
 def _attention_problem(att) -> str | None:
@@ -100,10 +82,9 @@ def _owned(ad) -> tuple[set[str], str | None]:
 
 
 def _moe_problem(moe, ad) -> str | None:
-    if ad.family == "hf":
-        problem = _routing_problem(moe.router[0])
-        if problem:
-            return problem
+    if moe.routing is None:
+        return (f"router {type(moe.router[0]).__name__}: routing the backend does not "
+                "implement (softmax top-k, DeepSeek-V2 / V3, sparsemixer)")
     w1 = getattr(moe.experts, moe.w1)
     hidden = int(ad.embedding[0].weight.shape[-1])
     in_dim = w1.shape[-1] if moe.transposed else w1.shape[1]
