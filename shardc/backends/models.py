@@ -81,7 +81,9 @@ def routing_kind(router: nn.Module) -> str | None:
     ``sigmoid_group``: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k);
     ``softmax_greedy``: DeepSeek-V2 (``topk_method`` greedy / group-limited greedy, scaled,
     not renormalised); ``sparsemixer``: Phi-3.5-MoE (top-2 by successive masked maxima);
-    ``softmax_topk``: softmax over the experts then top-k (Mixtral, Qwen-MoE, OLMoE). Read
+    ``softmax_topk``: softmax over the experts then top-k, renormalised unless the router's
+    ``norm_topk_prob`` is False (Mixtral, Qwen-MoE, OLMoE); ``softmax_topk_plain``: the same
+    without renormalisation (a router with no ``norm_topk_prob`` that never sums). Read
     from the router's attributes and the source of its ``forward`` (as transformers itself
     inspects model sources), so a router computing something else is refused, not guessed."""
     import inspect
@@ -98,7 +100,9 @@ def routing_kind(router: nn.Module) -> str | None:
     if "sparsemixer(" in src and int(getattr(router, "top_k", 2)) == 2:
         return "sparsemixer"
     if "softmax" in src and "topk" in src and src.index("softmax") < src.index("topk"):
-        return "softmax_topk"
+        after = src[src.index("topk"):]
+        renormalises = hasattr(router, "norm_topk_prob") or ".sum(" in after
+        return "softmax_topk" if renormalises else "softmax_topk_plain"
     return None
 
 

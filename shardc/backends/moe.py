@@ -142,7 +142,7 @@ def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     else:
         probs = F.softmax(logits, dim=-1)
         top_w, top_i = torch.topk(probs, site.top_k, dim=-1)
-        if getattr(r, "norm_topk_prob", True):
+        if site.routing != "softmax_topk_plain" and getattr(r, "norm_topk_prob", True):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w, top_i
 

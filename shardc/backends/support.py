@@ -31,11 +31,17 @@ def _params_of(mod: nn.Module, prefix: str, names=None) -> set[str]:
     return {f"{prefix}.{n}" for n, _ in mod.named_parameters()}
 
 
-def _attention_problem(att) -> str | None:
+def _attention_problem(att, family: str) -> str | None:
     mod = att.module
-    if getattr(mod, "attention_chunk_size", None) or getattr(mod.config, "attention_chunk_size",
-                                                             None):
-        return "chunked attention"
+    if family != "hf":
+        return None
+    if not att.mla and not all(hasattr(mod, a) for a in ("head_dim", "scaling", "layer_idx")):
+        return f"attention {type(mod).__name__} without head_dim / scaling / layer_idx"
+    cfg = getattr(mod, "config", None)
+    if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "partial rotary embeddings"
+    if getattr(mod, "attention_chunk_size", None) or getattr(cfg, "attention_chunk_size", None):
+        return "chunked attention"  # Llama-4
     if getattr(mod, "use_rope", True) is False:
         return "attention layers without rotary embeddings"
     for norm, pre in att.qk_norms:
@@ -58,7 +64,7 @@ def _owned(ad) -> tuple[set[str], str | None]:
         att = site.attention
         for mod, pre in att.qkv + [att.out] + att.down + att.down_norms + att.qk_norms:
             owned |= _params_of(mod, pre)
-        problem = _attention_problem(att)
+        problem = _attention_problem(att, ad.family)
         if problem:
             return owned, f"layer {i}: {problem}"
         for mod, pre in site.norms:
