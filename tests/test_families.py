@@ -65,8 +65,7 @@ def test_llama4_experts_are_not_traced_as_a_dense_ffn(tmp_path):
         _graph(_tiny_config_json("llama4_scout", tmp_path))
 
 
-@pytest.mark.parametrize("name, part", [("gpt2", "GPT2LMHeadModel"),
-                                        ("gpt_oss_20b", "gpt_oss"),
+@pytest.mark.parametrize("name, part", [("gpt_oss_20b", "gpt_oss"),
                                         ("llama4_scout", "llama4")])
 def test_compile_refuses_what_the_backend_cannot_run(tmp_path, capsys, name, part):
     cfg = _tiny_config_json(name, tmp_path)
@@ -118,3 +117,24 @@ def test_backend_places_every_parameter_of_the_runnable_families():
                  "gemma2_9b"):
         model = build_causal_lm(tiny_config(config_path(name)))
         assert backend_problem(model) is None, name
+
+
+def test_gpt2_plan_places_its_conv1d_weights_by_layer_kind(tmp_path):
+    """GPT-2's Conv1D weights are [in, out] and its layers are ``transformer.h.<i>``: a
+    Megatron plan splits c_attn / c_fc by output (dim 1), c_proj by input (dim 0)."""
+    from shardc.backends.apply import strategy_from_names
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.plan import build_plan
+
+    g = _graph(_tiny_config_json("gpt2", tmp_path))
+    kind = g.layer_kinds[0].name
+    ops = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row"}
+    choices = {"embedding": "vocab", "lm_head": "col", **{f"{kind}.{o}": c for o, c in ops.items()}}
+    plan = build_plan(g, strategy_from_names({"tp": 2}, choices, 1), Mesh(2, 1), "h100",
+                      Workload(batch=1, context=64))
+    place = {p["fqn"]: p["placements"][0] for p in plan.params}
+    assert place["transformer.h.0.attn.c_attn.weight"] == "S(1)"
+    assert place["transformer.h.0.attn.c_attn.bias"] == "S(0)"
+    assert place["transformer.h.0.attn.c_proj.weight"] == "S(0)"
+    assert place["transformer.h.0.mlp.c_fc.weight"] == "S(1)"
+    assert place["transformer.h.0.mlp.c_proj.weight"] == "S(0)"

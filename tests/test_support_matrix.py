@@ -9,7 +9,8 @@ examples/configs/):
   H100 (decode; context 4096 or the model's maximum if shorter);
 * backend-runnable: the tiny variant passes the compile-time backend check, and on 4 gloo
   ranks the emitted ``parallelize.py`` of a tp=2 plan (dp or ep 2) plus a heads split with
-  the KV cache and a batch-split attention with row qkv and padding give the unsharded
+  the KV cache, a batch-split attention with row qkv and padding, and 2 pipeline stages
+  (tp=2) give the unsharded
   logits within 1e-4 (relative);
 * verified: ``shardc verify <config.json> --plan plan.json --world 2`` exits 0 -- pending
   until ``shardc verify`` takes a config.json (``shardc.frontends.tiny_config``).
@@ -48,12 +49,13 @@ NOTES = {
     "deepseek_v3": "MLA; sigmoid group-limited routing, shared expert",
     "phi3_5_moe": "longrope (rope factors here are placeholders of the right length); "
                   "sparsemixer routing; LayerNorm; attention and lm_head biases",
-    "gemma2_9b": "eager attention (sdpa refused): logit softcapping, alternating sliding "
-                 "window, pre/post feed-forward norms",
+    "gemma2_9b": "eager attention (sdpa refused): attention and final logit softcapping, "
+                 "alternating sliding window, pre/post feed-forward norms, tied lm_head",
     "llama4_scout": "multimodal config: text_config taken; transformers runs every expert on "
                     "every token",
     "gpt_oss_20b": "eager attention (sdpa refused); attention sinks, expert and router biases",
-    "gpt2": "Conv1D packed c_attn, learned positions, 1024 positions",
+    "gpt2": "Conv1D weights [in, out], packed q/k/v (and bias) in c_attn, learned positions "
+            "(replicated), tied lm_head; 1024 positions",
 }
 
 
@@ -126,7 +128,8 @@ def _cases(name: str, model_file: Path, folder: Path) -> list:
             Case(f"{name}: heads split, KV cache", {"tp": 2, "dp": 2}, choices(), kinds,
                  kv_cache=2),
             Case(f"{name}: batch attention, row qkv, padding", {"tp": 2, **second}, batch,
-                 kinds, padded="right")]
+                 kinds, padded="right"),
+            Case(f"{name}: 2 pipeline stages", {"tp": 2, "pp": 2}, choices(), kinds)]
 
 
 def _verified(name: str, plan, folder: Path) -> str:
@@ -197,7 +200,8 @@ def render(rows: list[dict]) -> str:
         "- **backend-runnable**: `shardc compile`'s backend check accepts the model, and the tiny",
         "  variant (hidden 64, 4 heads, 4 layers, 4 experts) sharded on 4 gloo ranks -- the emitted",
         "  `parallelize.py` of a tp=2 plan (ep=2 for MoE, else dp=2), a heads split with the KV",
-        "  cache, a batch-split attention with row qkv and a padding mask -- gives the unsharded",
+        "  cache, a batch-split attention with row qkv and a padding mask, 2 pipeline stages --",
+        "  gives the unsharded",
         f"  logits within {TOL:g} (relative); a refused model makes `shardc compile` exit 2",
         "  before writing anything;",
         "- **verified**: `shardc verify <config.json> --plan plan.json --world 2` exits 0.",

@@ -93,6 +93,9 @@ class ModelSharder:
         rt.place_module_params(mod, pre)
         steps = rt.walk(("embedding",), None, start="R")
         rt.hook_chain([[mod]], steps, "R")
+        for pos, ppre in getattr(self.adapter, "position_embeddings", []):  # GPT-2's wpe
+            rt.place_module_params(pos, ppre)
+            rt.hook_local(pos, "R")
 
     def lm_head(self) -> None:
         if not self.on_stage(None, "last"):
@@ -167,8 +170,10 @@ class ModelSharder:
         if layer is not None:
             return self.on_stage(layer)
         role = param_role(fqn)
+        first = {f"{pre}.{n}" for mod, pre in getattr(self.adapter, "position_embeddings", [])
+                 for n, _ in mod.named_parameters()}
         return self.on_stage(None, "first" if role is not None and role.op == "embedding"
-                             else "last")
+                             or fqn in first else "last")
 
 
 def apply(model: nn.Module, strategy: Strategy, device_mesh: DeviceMesh | None = None,

@@ -69,7 +69,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | Non
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)  # as HF's eager mask
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
@@ -119,6 +119,16 @@ def install_attention(site: AttentionSite, family: str, rt=None) -> None:
             cos, sin = position_embeddings
             q, k = rotary(q, k, cos, sin)
             y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt, window, softcap)
+            return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
+
+    elif family == "gpt2":
+        hd = int(mod.head_dim)
+
+        def forward(hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+            qkv = site.qkv[0][0](hidden_states)  # q|k|v (this rank's heads of each)
+            b, s = qkv.shape[0], qkv.shape[1]
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, 3, -1, hd).unbind(dim=2))
+            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
 
     elif family == "gpt_moe":

@@ -5,8 +5,8 @@ causal LMs in the Llama mould (``model.model.layers[i].self_attn.{q,k,v,o}_proj`
 ``mlp.{gate,up,down}_proj`` or a sparse MoE block ``mlp.gate`` + ``mlp.experts`` with 3-D
 expert weights: Llama, Mistral, Mixtral, Qwen2/3(-MoE)), DeepSeek-V3 (MLA attention
 ``q_a_proj -> q_a_layernorm -> q_b_proj`` / ``kv_a_proj_with_mqa -> kv_a_layernorm ->
-kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``) and shardc's plain
-GPT-MoE (``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
+kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``), HF GPT-2 (Conv1D
+layers, packed q|k|v, learned positions) and shardc's plain GPT-MoE (``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
 with a clear message rather than silently left unsharded.
 """
 
@@ -218,6 +218,7 @@ class _HFStage(nn.Module):
         self.rotary = ad.inner.rotary_emb
         self.norm = ad.inner.norm if last else None
         self.lm_head = ad.model.lm_head if last else None
+        self.softcap = getattr(ad.config, "final_logit_softcapping", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.first else x
@@ -227,6 +228,8 @@ class _HFStage(nn.Module):
             h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
         if self.last:
             h = self.lm_head(self.norm(h))
+            if self.softcap:  # Gemma-2: the CausalLM's final logit softcapping
+                h = torch.tanh(h / self.softcap) * self.softcap
         return h
 
 
@@ -291,7 +294,77 @@ class _GPTStage(nn.Module):
         return self.lm_head(self.ln_f(h)) if self.last else h
 
 
-ADAPTERS = (HFCausalLM, GPTMoEModel)
+class GPT2LMHead:
+    """HF GPT-2 (``transformer.h[i]``: ``attn.c_attn`` packed q|k|v and ``attn.c_proj``,
+    ``mlp.c_fc`` / ``mlp.c_proj`` -- Conv1D layers, weights stored ``[in, out]``; learned
+    position embeddings ``transformer.wpe``, replicated)."""
+
+    family = "gpt2"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner = model.transformer
+        self.config = model.config
+
+    @staticmethod
+    def accepts(model: nn.Module) -> bool:
+        inner = getattr(model, "transformer", None)
+        return (hasattr(model, "lm_head") and inner is not None and hasattr(inner, "h")
+                and hasattr(inner, "wte") and hasattr(inner, "wpe")
+                and hasattr(inner.h[0], "attn") and hasattr(inner.h[0].attn, "c_attn"))
+
+    @property
+    def embedding(self):
+        return self.inner.wte, "transformer.wte"
+
+    @property
+    def position_embeddings(self) -> list[tuple[nn.Module, str]]:
+        return [(self.inner.wpe, "transformer.wpe")]
+
+    @property
+    def final_norm(self):
+        return self.inner.ln_f, "transformer.ln_f"
+
+    @property
+    def lm_head(self):
+        return self.model.lm_head, "lm_head"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.h)
+
+    def layer(self, i: int) -> LayerSites:
+        lay, pre = self.inner.h[i], f"transformer.h.{i}"
+        a, heads = lay.attn, int(self.config.num_attention_heads)
+        att = AttentionSite(a, [(a.c_attn, f"{pre}.attn.c_attn")], (a.c_proj, f"{pre}.attn.c_proj"),
+                            3, heads, heads)
+        mlp = ([(lay.mlp.c_fc, f"{pre}.mlp.c_fc")], (lay.mlp.c_proj, f"{pre}.mlp.c_proj"))
+        return LayerSites(i, lay, pre, att, layer_norms(lay, pre), mlp=mlp)
+
+    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
+        return _GPT2Stage(self, layers, first, last)
+
+
+class _GPT2Stage(nn.Module):
+    def __init__(self, ad: GPT2LMHead, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.wte = ad.inner.wte if first else None
+        self.wpe = ad.inner.wpe if first else None
+        self.layers = nn.ModuleList(ad.inner.h[i] for i in layers)
+        self.ln_f = ad.inner.ln_f if last else None
+        self.lm_head = ad.model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            x = self.wte(x) + self.wpe(pos)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+ADAPTERS = (HFCausalLM, GPTMoEModel, GPT2LMHead)
 
 
 def adapter_for(model: nn.Module):
@@ -299,8 +372,8 @@ def adapter_for(model: nn.Module):
         if cls.accepts(model):
             return cls(model)
     raise InputError(f"the DTensor backend does not know the layout of {type(model).__name__} "
-                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, DeepSeek-V3 "
-                     "MLA + shared experts, shardc GPT-MoE)")
+                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, DeepSeek-V2/V3 "
+                     "MLA + shared experts, GPT-2, shardc GPT-MoE)")
 
 
 def default_layer_kinds(model: nn.Module) -> dict[int, str]:

@@ -33,7 +33,10 @@ def _params_of(mod: nn.Module, prefix: str, names=None) -> set[str]:
 
 def _attention_problem(att, family: str) -> str | None:
     mod = att.module
-    if family != "hf":
+    if family == "gpt2" and (getattr(mod, "reorder_and_upcast_attn", False)
+                             or getattr(mod, "is_cross_attention", False)):
+        return "GPT-2 attention with reorder_and_upcast_attn or cross-attention"
+    if family not in ("hf", "gpt2"):
         return None
     if not att.mla and not all(hasattr(mod, a) for a in ("head_dim", "scaling", "layer_idx")):
         return f"attention {type(mod).__name__} without head_dim / scaling / layer_idx"
@@ -54,7 +57,8 @@ def _attention_problem(att, family: str) -> str | None:
 def _owned(ad) -> tuple[set[str], str | None]:
     """Parameter FQNs the runtime places, and the first unsupported part (or None)."""
     owned: set[str] = set()
-    for mod, pre in (ad.embedding, ad.final_norm, ad.lm_head):
+    for mod, pre in [ad.embedding, ad.final_norm, ad.lm_head] + \
+            list(getattr(ad, "position_embeddings", [])):
         owned |= _params_of(mod, pre)
     for i in range(ad.num_layers):
         try:
