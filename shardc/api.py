@@ -83,9 +83,9 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
     workload = workload or Workload()
     hw = load_hardware(hardware)
+    graph = load_model_graph(model, example_inputs, name)  # a model traced wrongly is refused first
     if check_backend:
         check_backend_support(model)
-    graph = load_model_graph(model, example_inputs, name)
     t0 = time.perf_counter()
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress)
