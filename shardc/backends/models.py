@@ -5,9 +5,11 @@ causal LMs in the Llama mould (``model.model.layers[i].self_attn.{q,k,v,o}_proj`
 ``mlp.{gate,up,down}_proj`` or a sparse MoE block ``mlp.gate`` + ``mlp.experts`` with 3-D
 expert weights: Llama, Mistral, Mixtral, Qwen2/3(-MoE)), DeepSeek-V3 (MLA attention
 ``q_a_proj -> q_a_layernorm -> q_b_proj`` / ``kv_a_proj_with_mqa -> kv_a_layernorm ->
-kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``), HF GPT-2 (Conv1D
-layers, packed q|k|v, learned positions) and shardc's plain GPT-MoE (``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
-with a clear message rather than silently left unsharded.
+kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``; DeepSeek-V2 also without
+the q low-rank projection), Phi-3.5-MoE, Gemma-2, OLMoE, HF GPT-2 (Conv1D layers, packed
+q|k|v, learned positions) and shardc's plain GPT-MoE (``examples/gpt_moe.py``). It also
+builds pipeline-stage modules. Anything else is refused with a clear message rather than
+silently left unsharded (:mod:`shardc.backends.support` checks it before compile writes).
 """
 
 from __future__ import annotations
@@ -158,6 +160,11 @@ class HFCausalLM:
         mlp = lay.mlp
         if hasattr(mlp, "experts"):
             ex = mlp.experts
+            names = sorted(n for n, _ in ex.named_parameters())
+            if names != ["down_proj", "gate_up_proj"] or not hasattr(ex, "act_fn"):
+                raise InputError(f"{pre}.mlp.experts: {type(ex).__name__} holds {names} (the "
+                                 "backend runs stacked gate_up_proj [E, 2f, h] and down_proj "
+                                 "[E, h, f] with act_fn, no expert biases)")
             gate_name = "gate" if hasattr(mlp, "gate") else "router"
             router = getattr(mlp, gate_name)
             shared = None
@@ -372,8 +379,8 @@ def adapter_for(model: nn.Module):
         if cls.accepts(model):
             return cls(model)
     raise InputError(f"the DTensor backend does not know the layout of {type(model).__name__} "
-                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, DeepSeek-V2/V3 "
-                     "MLA + shared experts, GPT-2, shardc GPT-MoE)")
+                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, "
+                     "DeepSeek-V2/V3 MLA + shared experts, GPT-2, shardc GPT-MoE)")
 
 
 def default_layer_kinds(model: nn.Module) -> dict[int, str]:

@@ -109,7 +109,8 @@ def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scores with the score-correction bias, group-limited top-k and the routed scaling
     factor, or DeepSeek-V2's softmax with greedy / group-limited top-k times the routed
     scaling factor, not renormalised (its router has ``topk_method``), or Phi-3.5-MoE's
-    :func:`sparsemixer` (``site.routing``, :func:`shardc.backends.models.routing_kind`). Other routers are
+    :func:`sparsemixer` (``site.routing``, :func:`shardc.backends.models.routing_kind`).
+    Other routers are
     refused before sharding (:func:`shardc.backends.support.backend_problem`)."""
     r = site.router[0]
     logits = logits.float()

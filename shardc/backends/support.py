@@ -63,7 +63,9 @@ def _owned(ad) -> tuple[set[str], str | None]:
     for i in range(ad.num_layers):
         try:
             site = ad.layer(i)
-        except (AttributeError, InputError) as e:
+        except InputError as e:
+            return owned, str(e)
+        except AttributeError as e:
             return owned, f"layer {i}: a layout the DTensor backend does not know ({e})"
         att = site.attention
         for mod, pre in att.qkv + [att.out] + att.down + att.down_norms + att.qk_norms:

@@ -49,7 +49,8 @@ def check_positions(graph: Graph, workload: Workload) -> None:
     flag, tokens = (("--context", workload.context) if workload.phase == "decode"
                     else ("--prompt", workload.prompt))
     if limit and int(tokens) > limit:
-        raise InputError(f"{flag} {int(tokens)} tokens is longer than {graph.name or 'the model'}'s "
+        model = graph.name or "the model"
+        raise InputError(f"{flag} {int(tokens)} tokens is longer than {model}'s "
                          f"max_position_embeddings {limit}")
 
 
