@@ -23,7 +23,7 @@ def tiny_config() -> DeepseekV3Config:
                             num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8,
                             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                            v_head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
+                            v_head_dim=8, max_position_embeddings=131072, tie_word_embeddings=False)
 
 
 def build_model(num_layers=None):

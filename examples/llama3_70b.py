@@ -15,7 +15,7 @@ def config() -> LlamaConfig:
 
 def tiny_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=131072,
                        tie_word_embeddings=False)
 
 

@@ -16,7 +16,7 @@ def config() -> MixtralConfig:
 def tiny_config() -> MixtralConfig:
     return MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
-                         num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
+                         num_experts_per_tok=2, max_position_embeddings=131072, tie_word_embeddings=False)
 
 
 def build_model(num_layers=None):

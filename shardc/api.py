@@ -39,6 +39,16 @@ def load_model_graph(model, example_inputs=None, name: str | None = None) -> Gra
     raise InputError(f"cannot compile a {type(model).__name__}: give a path, nn.Module or Graph")
 
 
+def check_backend_support(model) -> None:
+    """InputError when the DTensor backend cannot run ``model`` (a path or an nn.Module)."""
+    from shardc.backends import support
+
+    if isinstance(model, (str, Path)) and not str(model).endswith(".onnx"):
+        support.check_model_file(str(model))
+    elif not isinstance(model, (str, Path, Graph)):
+        support.check_module(model)
+
+
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
             seed: int = 0, progress=None, name: str | None = None):
@@ -53,10 +63,14 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
 def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          hardware: str = "h100", workload: Workload | None = None,
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
-                         name: str | None = None):
+                         name: str | None = None, check_backend: bool = True):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
-    which ``shardc compile`` needs for trace.json, graph.dot and search.png."""
+    which ``shardc compile`` needs for trace.json, graph.dot and search.png.
+
+    ``check_backend``: first refuse (InputError) a model the DTensor backend cannot run
+    (:mod:`shardc.backends.support`), so no plan comes with a ``parallelize.py`` that fails;
+    ``.onnx`` files (no DTensor code is emitted for them) and Graphs are not checked."""
     from shardc.driver import search_pass
     from shardc.plan import build_plan
 
@@ -69,7 +83,9 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
     workload = workload or Workload()
     hw = load_hardware(hardware)
-    graph = load_model_graph(model, example_inputs, name)
+    graph = load_model_graph(model, example_inputs, name)  # a model traced wrongly is refused first
+    if check_backend:
+        check_backend_support(model)
     t0 = time.perf_counter()
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress)

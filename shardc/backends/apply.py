@@ -94,6 +94,9 @@ class ModelSharder:
         rt.place_module_params(mod, pre)
         steps = rt.walk(("embedding",), None, start="R")
         rt.hook_chain([[mod]], steps, "R")
+        for pos, ppre in getattr(self.adapter, "position_embeddings", []):  # GPT-2's wpe
+            rt.place_module_params(pos, ppre)
+            rt.hook_local(pos, "R")
 
     def lm_head(self) -> None:
         if not self.on_stage(None, "last"):
@@ -126,7 +129,7 @@ class ModelSharder:
         if att.mla:
             shard_mla(rt, att, layer)
             return
-        for mod, pre in att.qkv + [att.out]:
+        for mod, pre in att.qkv + [att.out] + att.qk_norms:
             rt.place_module_params(mod, pre)
         rt.hook_chain([[m for m, _ in att.qkv], [], [att.out[0]]], steps, rt.residual,
                       unfuse=[att.fused, 1, 1])
@@ -168,8 +171,10 @@ class ModelSharder:
         if layer is not None:
             return self.on_stage(layer)
         role = param_role(fqn)
+        first = {f"{pre}.{n}" for mod, pre in getattr(self.adapter, "position_embeddings", [])
+                 for n, _ in mod.named_parameters()}
         return self.on_stage(None, "first" if role is not None and role.op == "embedding"
-                             else "last")
+                             or fqn in first else "last")
 
 
 def apply(model: nn.Module, strategy: Strategy, device_mesh: DeviceMesh | None = None,

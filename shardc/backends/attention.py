@@ -33,7 +33,8 @@ def _model_function(module, name: str):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-           cache=None, layer_idx: int | None = None, rt=None) -> torch.Tensor:
+           cache=None, layer_idx: int | None = None, rt=None, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """Causal scaled-dot-product attention of ``q`` [b, h, s_q, d] over ``k``/``v``
     [b, h_kv, s, d]; with ``cache`` (an HF ``Cache``) the new keys and values are appended
     first and the queries are the last ``s_q`` positions of the cached sequence. Padding:
@@ -41,22 +42,52 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | Non
     the model level, recorded by :func:`shardc.backends.pipeline.install_batch_io`) hides
     padded keys; when attention splits those rows further over tp, this rank's chunk of
     them is taken. The model's own 4-D mask is not used: under sequence parallelism it is
-    built from a sequence shard."""
+    built from a sequence shard. ``window``: sliding-window attention (a query sees the keys
+    less than ``window`` positions back, as transformers' sliding-window mask);
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma-2)."""
     if cache is not None:
         k, v = cache.update(k, v, layer_idx)
     s_q, s_k = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     keys = getattr(rt, "padding_mask", None)
-    if keys is None and s_q == s_k:
+    if keys is None and s_q == s_k and not window and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=s_q > 1, scale=scale,
                                               enable_gqa=gqa)
-    visible = torch.arange(s_k)[None, :] <= torch.arange(s_k - s_q, s_k)[:, None]
+    k_pos, q_pos = torch.arange(s_k)[None, :], torch.arange(s_k - s_q, s_k)[:, None]
+    visible = k_pos <= q_pos
+    if window:
+        visible = visible & (k_pos > q_pos - int(window))
     if keys is not None:
         if keys.shape[0] != q.shape[0]:
             keys = keys.chunk(keys.shape[0] // q.shape[0], dim=0)[rt.mesh.get_local_rank("tp")]
         visible = visible[None, None] & keys[:, None, None, :s_k].bool()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
-                                          enable_gqa=gqa)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)  # as HF's eager mask
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def qk_norm(norm, x: torch.Tensor, rt=None) -> torch.Tensor:
+    """RMSNorm ``norm`` (replicated weight) over the last dim of ``x``. When ``x`` holds a
+    tp slice of the normalised features (OLMoE's norm over the whole q / k projection under
+    a heads split) the sum of squares is all-reduced over tp and this rank's slice of the
+    weight is used: one [tokens, 1] all-reduce per norm, not charged by the cost model."""
+    w = norm.weight.to_local() if hasattr(norm.weight, "to_local") else norm.weight
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    dtype, h, n = x.dtype, x.float(), w.shape[0]
+    sq = h.pow(2).sum(-1, keepdim=True)
+    if x.shape[-1] != n:
+        if rt is None or rt.mesh is None or x.shape[-1] * rt.tp != n:
+            raise ValueError(f"q/k norm over {n} features on a tensor of {x.shape[-1]}")
+        torch.distributed.all_reduce(sq, group=rt.mesh.get_group("tp"))
+        w = w.chunk(rt.tp)[rt.mesh.get_local_rank("tp")]
+    return w * (h * torch.rsqrt(sq / n + eps)).to(dtype)
 
 
 def install_attention(site: AttentionSite, family: str, rt=None) -> None:
@@ -64,14 +95,39 @@ def install_attention(site: AttentionSite, family: str, rt=None) -> None:
     if family == "hf":
         rotary = _model_function(mod, "apply_rotary_pos_emb")
         hd = int(mod.head_dim)
+        norms = {pre.rsplit(".", 1)[-1]: m for m, pre in site.qk_norms}
+        per_head = all(int(m.weight.shape[0]) == hd for m in norms.values())
+        # per layer on the module (Qwen2, Gemma-2), else the model's mask uses the config's
+        # (Mistral, Mixtral, Phi-3.5-MoE)
+        window = mod.sliding_window if hasattr(mod, "sliding_window") else \
+            getattr(mod.config, "sliding_window", None)
+        softcap = getattr(mod, "attn_logit_softcapping", None)
+
+        def normed(t, name):
+            return qk_norm(norms[name], t, rt) if name in norms else t
 
         def forward(hidden_states, position_embeddings=None, attention_mask=None,
                     past_key_values=None, **kwargs):
             q, k, v = (proj(hidden_states) for proj, _ in site.qkv)
             b, s = q.shape[0], q.shape[1]
-            q, k, v = (t.reshape(b, s, -1, hd).transpose(1, 2) for t in (q, k, v))
+            if not per_head:  # norms over the whole projection (OLMoE)
+                q, k = normed(q, "q_norm"), normed(k, "k_norm")
+            q, k, v = (t.reshape(b, s, -1, hd) for t in (q, k, v))
+            if per_head:  # norms over each head's features (Qwen3)
+                q, k = normed(q, "q_norm"), normed(k, "k_norm")
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             cos, sin = position_embeddings
             q, k = rotary(q, k, cos, sin)
+            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt, window, softcap)
+            return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
+
+    elif family == "gpt2":
+        hd = int(mod.head_dim)
+
+        def forward(hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+            qkv = site.qkv[0][0](hidden_states)  # q|k|v (this rank's heads of each)
+            b, s = qkv.shape[0], qkv.shape[1]
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, 3, -1, hd).unbind(dim=2))
             y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
 

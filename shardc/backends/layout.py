@@ -49,6 +49,13 @@ PARAM_ROLES: list[tuple[re.Pattern, ParamRole]] = [
         # (q_a_proj, kv_a_proj_with_mqa) and their norms stay replicated (no role)
         (r"self_attn\.(q_b_proj|kv_b_proj)\.weight$", ParamRole("qkv", (0, 1))),
         (r"attn\.qkv\.weight$", ParamRole("qkv", (0, 1), fused=3)),
+        # GPT-2 Conv1D: weights [in, out] (a column split cuts dim 1); c_attn packs q|k|v in
+        # its output (and bias), interleaved per tp rank before a column split
+        (r"attn\.c_attn\.weight$", ParamRole("qkv", (1, 0), fused=3)),
+        (r"attn\.c_attn\.bias$", ParamRole("qkv", (0, 1), fused=3)),
+        (r"attn\.c_proj\.weight$", ParamRole("out_proj", (1, 0))),
+        (r"mlp\.c_fc\.weight$", ParamRole("ffn1", (1, 0))),
+        (r"mlp\.c_proj\.weight$", ParamRole("ffn2", (1, 0))),
         (r"self_attn\.o_proj\.weight$", ParamRole("out_proj", (0, 1))),
         (r"attn\.out\.weight$", ParamRole("out_proj", (0, 1))),
         (r"shared_experts?\.(gate_proj|up_proj)\.weight$", ParamRole("shared_ffn1", (0, 1))),
@@ -63,7 +70,7 @@ PARAM_ROLES: list[tuple[re.Pattern, ParamRole]] = [
         (r"(^|\.)lm_head\.weight$", ParamRole("lm_head", (0, 1))),
     ]
 ]
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # GPT-2: transformer.h.<i>
 
 
 def param_role(fqn: str) -> ParamRole | None:

@@ -3,6 +3,7 @@
 MLA computes q and k/v through low-rank bottlenecks::
 
     q      = q_b_proj(q_a_layernorm(q_a_proj(x)))                 [heads x (nope + rope)]
+             (or q_proj(x) without a q low-rank projection, DeepSeek-V2-Lite)
     c, k_r = split(kv_a_proj_with_mqa(x), [kv_lora_rank, rope])   (k_r: one rope key, all heads)
     k_n, v = split(kv_b_proj(kv_a_layernorm(c)), per head [nope, v])
 
@@ -45,28 +46,38 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
         rt.hook_op(mod, rt.residual, down_place, down_place, memo=memo)
     for mod, _ in site.down_norms:
         rt.hook_local(mod, down_place)
-    for mod, _ in site.qkv:
-        rt.hook_op(mod, down_place, need_qkv, after_qkv)
+    (q_up, _), (kv_b, _) = site.qkv
+    # q_b_proj reads the replicated q latent; without q_lora, q_proj reads the block input
+    rt.hook_op(q_up, down_place if site.q_low_rank else rt.residual, need_qkv, after_qkv)
+    rt.hook_op(kv_b, down_place, need_qkv, after_qkv)
     rt.hook_op(site.out[0], produced_core, need_out, after_out)
     rot_place = "S(0)" if need_core == "S(0)" else "R"
 
     mod = site.module
     fns = sys.modules[type(mod).__module__]
-    rotary = fns.apply_rotary_pos_emb
+    # (cos, sin) rotary (DeepSeek-V3), optionally on interleaved pairs, or the complex
+    # ``freqs_cis`` form of DeepSeek-V2 (``apply_rotary_emb``)
+    rotary = getattr(fns, "apply_rotary_pos_emb", None)
+    rotary_complex = getattr(fns, "apply_rotary_emb", None) if rotary is None else None
     rotary_interleave = getattr(fns, "apply_rotary_pos_emb_interleave", None)
     interleave = bool(getattr(mod.config, "rope_interleave", False))
-    if interleave and rotary_interleave is None:
-        raise ValueError(f"{type(mod).__module__} has no apply_rotary_pos_emb_interleave()")
+    if interleave and rotary_interleave is None or rotary is None and rotary_complex is None:
+        raise ValueError(f"{type(mod).__module__}: no rotary function the MLA forward knows")
     nope, rope, vdim = int(mod.qk_nope_head_dim), int(mod.qk_rope_head_dim), int(mod.v_head_dim)
     kv_rank = int(mod.kv_lora_rank)
-    (q_a, _), (kv_a, _) = site.down
-    (q_norm, _), (kv_norm, _) = site.down_norms
-    (q_b, _), (kv_b, _) = site.qkv
+    (kv_a, _), (kv_norm, _) = site.down[-1], site.down_norms[-1]
+    if site.q_low_rank:
+        (q_a, _), (q_norm, _) = site.down[0], site.down_norms[0]
+
+        def project_q(x):
+            return q_up(q_norm(q_a(x)))
+    else:
+        project_q = q_up
     o_proj = site.out[0]
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
-        q = q_b(q_norm(q_a(hidden_states)))  # [b, s, local heads * (nope + rope)]
+        q = project_q(hidden_states)  # [b, s, local heads * (nope + rope)]
         b, s = q.shape[0], q.shape[1]
         q = q.reshape(b, s, -1, nope + rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
@@ -77,11 +88,12 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
         if rot_place != down_place:
             k_rot = rt.local(rt.redist(rt.wrap(k_rot.contiguous(), down_place), rot_place))
         k_rot = k_rot.reshape(b, 1, s, rope)
-        cos, sin = position_embeddings
-        if interleave:
-            q_rot, k_rot = rotary_interleave(q_rot, k_rot, cos, sin)
+        if rotary_complex is not None:
+            q_rot, k_rot = rotary_complex(q_rot, k_rot, position_embeddings)
+        elif interleave:
+            q_rot, k_rot = rotary_interleave(q_rot, k_rot, *position_embeddings)
         else:
-            q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
+            q_rot, k_rot = rotary(q_rot, k_rot, *position_embeddings)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
         y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)

@@ -5,9 +5,11 @@ causal LMs in the Llama mould (``model.model.layers[i].self_attn.{q,k,v,o}_proj`
 ``mlp.{gate,up,down}_proj`` or a sparse MoE block ``mlp.gate`` + ``mlp.experts`` with 3-D
 expert weights: Llama, Mistral, Mixtral, Qwen2/3(-MoE)), DeepSeek-V3 (MLA attention
 ``q_a_proj -> q_a_layernorm -> q_b_proj`` / ``kv_a_proj_with_mqa -> kv_a_layernorm ->
-kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``) and shardc's plain
-GPT-MoE (``examples/gpt_moe.py``). It also builds pipeline-stage modules. Anything else is refused
-with a clear message rather than silently left unsharded.
+kv_b_proj``, group-limited sigmoid routing, ``mlp.shared_experts``; DeepSeek-V2 also without
+the q low-rank projection), Phi-3.5-MoE, Gemma-2, OLMoE, HF GPT-2 (Conv1D layers, packed
+q|k|v, learned positions) and shardc's plain GPT-MoE (``examples/gpt_moe.py``). It also
+builds pipeline-stage modules. Anything else is refused with a clear message rather than
+silently left unsharded (:mod:`shardc.backends.support` checks it before compile writes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class AttentionSite:
     # RMSNorms; all three lists are part of the fused ``qkv`` op.
     down: list[tuple[nn.Module, str]] = field(default_factory=list)
     down_norms: list[tuple[nn.Module, str]] = field(default_factory=list)
+    # RMSNorms of q and k inside attention (Qwen3: per head over head_dim; OLMoE: over the
+    # whole projection), replicated; applied by the layout-aware forward
+    qk_norms: list[tuple[nn.Module, str]] = field(default_factory=list)
+    q_low_rank: bool = True  # MLA: q through q_a_proj / q_b_proj (False: q_proj directly)
 
     @property
     def mla(self) -> bool:
@@ -56,6 +62,7 @@ class MoESite:
     # shared experts (DeepSeek): ([gate_proj, up_proj], down_proj, module) -- fused ops
     # shared_ffn1 / shared_ffn2, run on the same (normed) residual as the router
     shared: tuple | None = None
+    routing: str | None = "softmax_topk"  # see routing_kind()
 
 
 @dataclass
@@ -68,6 +75,37 @@ class LayerSites:
     mlp: tuple[list[tuple[nn.Module, str]], tuple[nn.Module, str]] | None = None
     moe: MoESite | None = None
     extra: dict = field(default_factory=dict)
+
+
+def routing_kind(router: nn.Module) -> str | None:
+    """Which routing maths an HF MoE router computes (None: one the backend does not know).
+
+    ``sigmoid_group``: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k);
+    ``softmax_greedy``: DeepSeek-V2 (``topk_method`` greedy / group-limited greedy, scaled,
+    not renormalised); ``sparsemixer``: Phi-3.5-MoE (top-2 by successive masked maxima);
+    ``softmax_topk``: softmax over the experts then top-k, renormalised unless the router's
+    ``norm_topk_prob`` is False (Mixtral, Qwen-MoE, OLMoE); ``softmax_topk_plain``: the same
+    without renormalisation (a router with no ``norm_topk_prob`` that never sums). Read
+    from the router's attributes and the source of its ``forward`` (as transformers itself
+    inspects model sources), so a router computing something else is refused, not guessed."""
+    import inspect
+
+    if hasattr(router, "e_score_correction_bias"):
+        return "sigmoid_group"
+    if hasattr(router, "topk_method"):
+        ok = router.topk_method in ("greedy", "group_limited_greedy")
+        return "softmax_greedy" if ok else None
+    try:
+        src = inspect.getsource(type(router).forward)
+    except (OSError, TypeError):
+        return None
+    if "sparsemixer(" in src and int(getattr(router, "top_k", 2)) == 2:
+        return "sparsemixer"
+    if "softmax" in src and "topk" in src and src.index("softmax") < src.index("topk"):
+        after = src[src.index("topk"):]
+        renormalises = hasattr(router, "norm_topk_prob") or ".sum(" in after
+        return "softmax_topk" if renormalises else "softmax_topk_plain"
+    return None
 
 
 class HFCausalLM:
@@ -116,22 +154,29 @@ class HFCausalLM:
                                     for n in ("q_proj", "k_proj", "v_proj")],
                                 (a.o_proj, f"{pre}.self_attn.o_proj"), 1,
                                 cfg.num_attention_heads, cfg.num_key_value_heads)
-        norms = [(lay.input_layernorm, f"{pre}.input_layernorm"),
-                 (lay.post_attention_layernorm, f"{pre}.post_attention_layernorm")]
-        sites = LayerSites(i, lay, pre, att, norms)
+        att.qk_norms = [(getattr(a, n), f"{pre}.self_attn.{n}") for n in ("q_norm", "k_norm")
+                        if isinstance(getattr(a, n, None), nn.Module)]
+        sites = LayerSites(i, lay, pre, att, layer_norms(lay, pre))
         mlp = lay.mlp
         if hasattr(mlp, "experts"):
             ex = mlp.experts
+            names = sorted(n for n, _ in ex.named_parameters())
+            if names != ["down_proj", "gate_up_proj"] or not hasattr(ex, "act_fn"):
+                raise InputError(f"{pre}.mlp.experts: {type(ex).__name__} holds {names} (the "
+                                 "backend runs stacked gate_up_proj [E, 2f, h] and down_proj "
+                                 "[E, h, f] with act_fn, no expert biases)")
+            gate_name = "gate" if hasattr(mlp, "gate") else "router"
+            router = getattr(mlp, gate_name)
             shared = None
             sh = getattr(mlp, "shared_experts", None)
             if sh is not None:
                 sp = f"{pre}.mlp.shared_experts"
                 shared = ([(sh.gate_proj, f"{sp}.gate_proj"), (sh.up_proj, f"{sp}.up_proj")],
                           (sh.down_proj, f"{sp}.down_proj"), sh)
-            sites.moe = MoESite(mlp, f"{pre}.mlp", (mlp.gate, f"{pre}.mlp.gate"), ex,
+            sites.moe = MoESite(mlp, f"{pre}.mlp", (router, f"{pre}.mlp.{gate_name}"), ex,
                                 "gate_up_proj", "down_proj", True, True, ex.act_fn,
                                 int(getattr(mlp, "top_k", cfg.num_experts_per_tok)),
-                                int(ex.num_experts), shared)
+                                int(ex.num_experts), shared, routing_kind(router))
         else:
             sites.mlp = ([(mlp.gate_proj, f"{pre}.mlp.gate_proj"),
                           (mlp.up_proj, f"{pre}.mlp.up_proj")],
@@ -142,18 +187,33 @@ class HFCausalLM:
         return _HFStage(self, layers, first, last)
 
 
+def layer_norms(layer: nn.Module, pre: str) -> list[tuple[nn.Module, str]]:
+    """The decoder layer's own norms: its direct children holding only 1-D parameters
+    (input / post-attention norms; Gemma-2's pre- and post-feedforward norms too). They run
+    on the residual stream, replicated."""
+    out = []
+    for name, mod in layer.named_children():
+        ps = list(mod.parameters())
+        if ps and all(p.ndim == 1 for p in ps):
+            out.append((mod, f"{pre}.{name}"))
+    return out
+
+
 def _mla_site(a: nn.Module, pre: str, cfg) -> AttentionSite:
-    """DeepSeek's multi-head latent attention as one fused ``qkv`` op (see AttentionSite)."""
+    """DeepSeek's multi-head latent attention as one fused ``qkv`` op (see AttentionSite).
+    Without a q low-rank projection (DeepSeek-V2-Lite: ``q_lora_rank`` None) ``q_proj`` reads
+    the block input directly and is an up projection like ``q_b_proj``."""
+    kv_down = (a.kv_a_proj_with_mqa, f"{pre}.kv_a_proj_with_mqa")
+    kv_norm = (a.kv_a_layernorm, f"{pre}.kv_a_layernorm")
+    heads = cfg.num_attention_heads
     if getattr(a, "q_a_proj", None) is None:
-        raise InputError(f"{pre}: MLA without a q low-rank projection (q_lora_rank None) is "
-                         "not supported by the DTensor backend")
+        return AttentionSite(a, [(a.q_proj, f"{pre}.q_proj"), (a.kv_b_proj, f"{pre}.kv_b_proj")],
+                             (a.o_proj, f"{pre}.o_proj"), 1, heads, heads,
+                             down=[kv_down], down_norms=[kv_norm], q_low_rank=False)
     return AttentionSite(a, [(a.q_b_proj, f"{pre}.q_b_proj"), (a.kv_b_proj, f"{pre}.kv_b_proj")],
-                         (a.o_proj, f"{pre}.o_proj"), 1, cfg.num_attention_heads,
-                         cfg.num_attention_heads,
-                         down=[(a.q_a_proj, f"{pre}.q_a_proj"),
-                               (a.kv_a_proj_with_mqa, f"{pre}.kv_a_proj_with_mqa")],
-                         down_norms=[(a.q_a_layernorm, f"{pre}.q_a_layernorm"),
-                                     (a.kv_a_layernorm, f"{pre}.kv_a_layernorm")])
+                         (a.o_proj, f"{pre}.o_proj"), 1, heads, heads,
+                         down=[(a.q_a_proj, f"{pre}.q_a_proj"), kv_down],
+                         down_norms=[(a.q_a_layernorm, f"{pre}.q_a_layernorm"), kv_norm])
 
 
 class _HFStage(nn.Module):
@@ -165,6 +225,7 @@ class _HFStage(nn.Module):
         self.rotary = ad.inner.rotary_emb
         self.norm = ad.inner.norm if last else None
         self.lm_head = ad.model.lm_head if last else None
+        self.softcap = getattr(ad.config, "final_logit_softcapping", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.first else x
@@ -174,6 +235,8 @@ class _HFStage(nn.Module):
             h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
         if self.last:
             h = self.lm_head(self.norm(h))
+            if self.softcap:  # Gemma-2: the CausalLM's final logit softcapping
+                h = torch.tanh(h / self.softcap) * self.softcap
         return h
 
 
@@ -212,7 +275,7 @@ class GPTMoEModel:
         a, cfg = lay.attn, self.config
         att = AttentionSite(a, [(a.qkv, f"{pre}.attn.qkv")], (a.out, f"{pre}.attn.out"), 3,
                             cfg.num_heads, cfg.num_heads)
-        norms = [(lay.ln_attn, f"{pre}.ln_attn"), (lay.ln_moe, f"{pre}.ln_moe")]
+        norms = layer_norms(lay, pre)
         moe = lay.moe
         site = MoESite(moe, f"{pre}.moe", (moe.router, f"{pre}.moe.router"), moe.experts,
                        "w_in", "w_out", False, False, F.gelu, cfg.top_k, cfg.num_experts)
@@ -238,7 +301,77 @@ class _GPTStage(nn.Module):
         return self.lm_head(self.ln_f(h)) if self.last else h
 
 
-ADAPTERS = (HFCausalLM, GPTMoEModel)
+class GPT2LMHead:
+    """HF GPT-2 (``transformer.h[i]``: ``attn.c_attn`` packed q|k|v and ``attn.c_proj``,
+    ``mlp.c_fc`` / ``mlp.c_proj`` -- Conv1D layers, weights stored ``[in, out]``; learned
+    position embeddings ``transformer.wpe``, replicated)."""
+
+    family = "gpt2"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner = model.transformer
+        self.config = model.config
+
+    @staticmethod
+    def accepts(model: nn.Module) -> bool:
+        inner = getattr(model, "transformer", None)
+        return (hasattr(model, "lm_head") and inner is not None and hasattr(inner, "h")
+                and hasattr(inner, "wte") and hasattr(inner, "wpe")
+                and hasattr(inner.h[0], "attn") and hasattr(inner.h[0].attn, "c_attn"))
+
+    @property
+    def embedding(self):
+        return self.inner.wte, "transformer.wte"
+
+    @property
+    def position_embeddings(self) -> list[tuple[nn.Module, str]]:
+        return [(self.inner.wpe, "transformer.wpe")]
+
+    @property
+    def final_norm(self):
+        return self.inner.ln_f, "transformer.ln_f"
+
+    @property
+    def lm_head(self):
+        return self.model.lm_head, "lm_head"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.h)
+
+    def layer(self, i: int) -> LayerSites:
+        lay, pre = self.inner.h[i], f"transformer.h.{i}"
+        a, heads = lay.attn, int(self.config.num_attention_heads)
+        att = AttentionSite(a, [(a.c_attn, f"{pre}.attn.c_attn")], (a.c_proj, f"{pre}.attn.c_proj"),
+                            3, heads, heads)
+        mlp = ([(lay.mlp.c_fc, f"{pre}.mlp.c_fc")], (lay.mlp.c_proj, f"{pre}.mlp.c_proj"))
+        return LayerSites(i, lay, pre, att, layer_norms(lay, pre), mlp=mlp)
+
+    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
+        return _GPT2Stage(self, layers, first, last)
+
+
+class _GPT2Stage(nn.Module):
+    def __init__(self, ad: GPT2LMHead, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.wte = ad.inner.wte if first else None
+        self.wpe = ad.inner.wpe if first else None
+        self.layers = nn.ModuleList(ad.inner.h[i] for i in layers)
+        self.ln_f = ad.inner.ln_f if last else None
+        self.lm_head = ad.model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            x = self.wte(x) + self.wpe(pos)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+ADAPTERS = (HFCausalLM, GPTMoEModel, GPT2LMHead)
 
 
 def adapter_for(model: nn.Module):
@@ -246,8 +379,8 @@ def adapter_for(model: nn.Module):
         if cls.accepts(model):
             return cls(model)
     raise InputError(f"the DTensor backend does not know the layout of {type(model).__name__} "
-                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, DeepSeek-V3 "
-                     "MLA + shared experts, shardc GPT-MoE)")
+                     "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, "
+                     "DeepSeek-V2/V3 MLA + shared experts, GPT-2, shardc GPT-MoE)")
 
 
 def default_layer_kinds(model: nn.Module) -> dict[int, str]:

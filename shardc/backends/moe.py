@@ -105,11 +105,18 @@ def _pack(rt: ShardingRuntime, flat: torch.Tensor, top_i: torch.Tensor, num_expe
 def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, top-k experts), each [T, top_k], from router logits [T, E]: the
     maths of the model's own router: softmax top-k (renormalised unless the router says
-    ``norm_topk_prob=False``: Mixtral, Qwen-MoE, GPT-MoE) or DeepSeek-V3's sigmoid scores
-    with the score-correction bias, group-limited top-k and the routed scaling factor."""
+    ``norm_topk_prob=False``: Mixtral, Qwen-MoE, OLMoE, GPT-MoE), DeepSeek-V3's sigmoid
+    scores with the score-correction bias, group-limited top-k and the routed scaling
+    factor, or DeepSeek-V2's softmax with greedy / group-limited top-k times the routed
+    scaling factor, not renormalised (its router has ``topk_method``), or Phi-3.5-MoE's
+    :func:`sparsemixer` (``site.routing``, :func:`shardc.backends.models.routing_kind`).
+    Other routers are
+    refused before sharding (:func:`shardc.backends.support.backend_problem`)."""
     r = site.router[0]
     logits = logits.float()
-    if hasattr(r, "e_score_correction_bias"):
+    if site.routing == "sparsemixer":
+        return sparsemixer(logits, float(r.router_jitter_noise))
+    if site.routing == "sigmoid_group":
         scores = logits.sigmoid()
         choice = scores + r.e_score_correction_bias.float()
         t, e, ng = choice.shape[0], choice.shape[1], int(r.num_group)
@@ -122,12 +129,40 @@ def route(site: MoESite, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         if r.norm_topk_prob:
             top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
         top_w = top_w * r.routed_scaling_factor
+    elif site.routing == "softmax_greedy":  # DeepSeek-V2: softmax, (group-limited) greedy top-k
+        scores = F.softmax(logits, dim=-1)
+        if r.topk_method == "group_limited_greedy":
+            t, e, ng = scores.shape[0], scores.shape[1], int(r.num_group)
+            group_idx = torch.topk(scores.view(t, ng, e // ng).max(dim=-1).values,
+                                   k=int(r.topk_group), dim=-1)[1]
+            keep = torch.zeros(t, ng, dtype=torch.bool).scatter(1, group_idx, True)
+            scores = scores.masked_fill(~keep.unsqueeze(-1).expand(t, ng, e // ng).reshape(t, e),
+                                        0.0)
+        top_w, top_i = torch.topk(scores, site.top_k, dim=-1)
+        top_w = top_w * r.routed_scaling_factor  # not renormalised
     else:
         probs = F.softmax(logits, dim=-1)
         top_w, top_i = torch.topk(probs, site.top_k, dim=-1)
-        if getattr(r, "norm_topk_prob", True):
+        if site.routing != "softmax_topk_plain" and getattr(r, "norm_topk_prob", True):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w, top_i
+
+
+def sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's top-2 routing at inference (transformers' ``sparsemixer``, eval mode):
+    pick the best expert, weight it by a softmax over the scores within ``2 * eps``
+    (relative) of it; then the same over the scores with the first expert masked out.
+    Returns weights and experts, each [T, 2]; the weights are not renormalised."""
+    def pick(candidates):
+        best, idx = candidates.max(dim=-1, keepdim=True)
+        factor = scores.abs().clamp(min=best)
+        far = ((best - scores) / factor) > (2 * eps)
+        gates = F.softmax(candidates.masked_fill(far, float("-inf")), dim=-1)
+        return gates.gather(-1, idx), idx
+
+    w1, i1 = pick(scores)
+    w2, i2 = pick(scores.scatter(-1, i1, float("-inf")))
+    return torch.cat((w1, w2), dim=-1), torch.cat((i1, i2), dim=-1)
 
 
 def _experts(rt: ShardingRuntime, site: MoESite, buf: torch.Tensor, steps) -> torch.Tensor:

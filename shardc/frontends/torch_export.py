@@ -140,8 +140,13 @@ def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.Expo
     # Per-node Python stack traces are not needed by shardc and cost ~10% of the trace time.
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
+    from shardc.frontends.hf_build import static_rope
+
+    ids = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
+    seq = int(ids.shape[-1]) if ids is not None and ids.ndim else 1
     try:
-        with torch.no_grad(), user_code(type(model).__name__, "tracing the forward pass"):
+        with torch.no_grad(), static_rope(model, seq), \
+                user_code(type(model).__name__, "tracing the forward pass"):
             return torch.export.export(wrapper, tuple(example_inputs), strict=False)
     except InputError:
         raise
@@ -171,7 +176,21 @@ def trace_program(model: nn.Module, example_inputs: tuple, name: str = "",
     graph = program_to_graph(ep, model, name=name or type(model).__name__, source=source)
     ids = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
     graph.tokens = int(ids.numel()) if ids is not None else 0
+    max_pos = max_positions(model)
+    if max_pos:
+        graph.config["max_position_embeddings"] = max_pos
     return graph, ep
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's config allows (``max_position_embeddings`` of its
+    text config; GPT-2's ``n_positions``), or None when the model has no such config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: str,

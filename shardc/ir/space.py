@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardc.errors import InputError
 from shardc.ir.contract import GLOBAL_OPS, NUM_CHOICES, legal, op_choice
 from shardc.ir.graph import FUSED_OP_NAMES, Graph
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
@@ -31,6 +32,19 @@ DECODE_BATCHES = tuple(2**i for i in range(0, 13))  # 1 .. 4096 sequences per re
 PREFILL_BATCHES = tuple(2**i for i in range(0, 9))  # 1 .. 256 prompts per replica
 
 
+def check_positions(graph: Graph, workload: Workload) -> None:
+    """InputError when the workload's sequence (decode: ``--context``, the KV length of a
+    step; prefill: ``--prompt``) is longer than the model's ``max_position_embeddings``
+    (``Graph.config``, recorded by the frontend from the model's config)."""
+    limit = int(graph.config.get("max_position_embeddings", 0) or 0)
+    flag, tokens = (("--context", workload.context) if workload.phase == "decode"
+                    else ("--prompt", workload.prompt))
+    if limit and int(tokens) > limit:
+        model = graph.name or "the model"
+        raise InputError(f"{flag} {int(tokens)} tokens is longer than {model}'s "
+                         f"max_position_embeddings {limit}")
+
+
 @dataclass
 class StrategySpace:
     graph: Graph
@@ -41,6 +55,7 @@ class StrategySpace:
     op_mask_by_tp: np.ndarray | None = None  # [n_tp, n_slots, 3]
 
     def __post_init__(self):
+        check_positions(self.graph, self.workload)
         g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
         hidden = int(cfg.get("hidden", 0)) or 1
         experts = int(cfg.get("num_experts", 0) or 0)

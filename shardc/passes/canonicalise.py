@@ -56,7 +56,8 @@ _TABLE: dict[str, tuple[str, ...]] = {
                    "silu_", "gelu_", "relu_", "hardtanh", "erf"),
     "elementwise": (
         "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "rsqrt", "sqrt", "pow",
-        "exp", "log", "cos", "sin", "cat", "stack", "where", "masked_fill", "masked_fill_", "clamp",
+        "exp", "log", "cos", "sin", "cat", "concat", "concatenate", "polar", "stack", "where",
+        "masked_fill", "masked_fill_", "clamp",
         "clamp_", "clamp_min", "clamp_max", "floor_divide", "remainder", "fmod", "eq", "ne", "lt",
         "le", "gt", "ge", "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "__and__",
         "__or__", "__xor__", "__invert__", "logical_not", "logical_and", "logical_or", "abs",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from shardc.errors import InputError
 from shardc.ir.graph import Graph, Node
 from shardc.passes.canonicalise import node_bytes
 
@@ -119,6 +120,10 @@ class _Flow:
         return seen
 
 
+def _out_features(n: Node) -> int:
+    return int(n.output_shape[-1]) if n.output_shape else -1
+
+
 def _attention_core(nodes: list[Node], flow: _Flow) -> list[Node]:
     core = [n for n in nodes if n.op == "attention"]
     if core:
@@ -165,11 +170,15 @@ def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
                 mark(n, "out_proj")
     routers = [n for n in nodes if n.op == "router"]
     router_names = {n.name for n in routers}
+    num_experts = {int(n.params[0].shape[0]) for n in grouped if n.params}
     for n in linears:
         if n.name in done:
             continue
         path = flow.reach(n)
-        if path & router_names:
+        # no top-k node (e.g. Phi-3.5-MoE's sparsemixer picks experts with max): the linear
+        # scoring every expert (out features = the experts' count) is the router
+        scores_experts = not routers and _out_features(n) in num_experts
+        if path & router_names or scores_experts:
             mark(n, "router")
             for name in path:
                 node = flow.by_name[name]
@@ -192,10 +201,30 @@ def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
             n.fused_op = "norm"
 
 
+def refuse_dense_experts(graph: Graph) -> None:
+    """Raise :class:`InputError` when stacked expert weights (a parameter of 3 or more dims)
+    are multiplied by every token instead of the routed ones -- after
+    :func:`recognise_batched_experts`, a ``linear`` / ``matmul`` (e.g. a ``bmm``) still reading such a parameter. Such a
+    trace (e.g. transformers' Llama-4 MoE, which runs all experts densely and weights them by
+    the router scores) would be planned as a dense FFN: a different model."""
+    for n in graph.nodes:
+        if n.op not in ("linear", "matmul"):
+            continue
+        stacked = [p for p in n.params if len(p.shape) >= 3]
+        if stacked:
+            p = stacked[0]
+            raise InputError(
+                f"{graph.name or 'model'}: layer {n.layer}: expert weights {p.fqn} "
+                f"{list(p.shape)} are applied to every token (experts computed densely, not "
+                "routed); shardc would plan it as a dense FFN, a different model -- not supported")
+
+
 def group_fused_ops(graph: Graph) -> Graph:
     """Set ``Node.fused_op`` on every node that belongs to a fused op (in place), after
-    rewriting batched expert matmuls into the grouped form (:func:`recognise_batched_experts`)."""
+    rewriting batched expert matmuls into the grouped form (:func:`recognise_batched_experts`);
+    refuses experts computed densely (:func:`refuse_dense_experts`)."""
     recognise_batched_experts(graph)
+    refuse_dense_experts(graph)
     flow = _Flow(graph)
     by_layer: dict[int, list[Node]] = defaultdict(list)
     for n in graph.nodes:

@@ -71,12 +71,25 @@ def _linear_op(name: str, nodes: list[Node], **attrs) -> FusedOp:
                    nodes=[n.name for n in nodes], attrs=dict(attrs))
 
 
-def _top_k(nodes: list[Node], num_experts: int) -> int:
+def _top_k(nodes: list[Node], num_experts: int, tokens: int = 0) -> int:
+    """Experts per token: the last dim of the top-k over the experts' scores; without a
+    top-k node (experts picked another way, e.g. by successive max), the routed rows of the
+    first expert matmul (``tokens * top_k``) over the traced ``tokens``."""
     routers = [n for n in nodes if n.op == "router" and n.output_shape]
     exact = [n for n in routers if n.input_shapes and len(n.input_shapes[0]) == 2
              and n.input_shapes[0][-1] == num_experts]
     pick = (exact or routers)
-    return int(pick[-1].output_shape[-1]) if pick else 0
+    if pick:
+        return int(pick[-1].output_shape[-1])
+    grouped = [n for n in nodes if n.op == "grouped_matmul" and n.input_shapes]
+    if grouped and tokens:
+        rows = 1
+        for d in grouped[0].input_shapes[0][:-1]:
+            rows *= int(d)
+        if "expert_features" in grouped[0].attrs:  # batched form [S, 1, in]: S routed rows
+            rows = int(grouped[0].input_shapes[0][0])
+        return max(rows // tokens, 1)
+    return 0
 
 
 def attention_flops_per_context(heads: int, head_dim: int, v_head_dim: int) -> int:
@@ -160,7 +173,7 @@ def _reaches_any(node: Node, targets: set[str], nodes: list[Node]) -> bool:
     return False
 
 
-def _layer_ops(nodes: list[Node]) -> tuple[list[FusedOp], int]:
+def _layer_ops(nodes: list[Node], tokens: int = 0) -> tuple[list[FusedOp], int]:
     """FusedOps of one layer and the parameter elements outside them."""
     by_op: dict[str, list[Node]] = defaultdict(list)
     for n in nodes:
@@ -171,7 +184,7 @@ def _layer_ops(nodes: list[Node]) -> tuple[list[FusedOp], int]:
     ops: list[FusedOp] = []
     grouped = lin.get("expert_ffn1", []) + lin.get("expert_ffn2", [])
     num_experts = int(grouped[0].params[0].shape[0]) if grouped and grouped[0].params else 0
-    top_k = _top_k(nodes, num_experts) if num_experts else 0
+    top_k = _top_k(nodes, num_experts, tokens) if num_experts else 0
     if lin.get("qkv"):
         qkv = lin["qkv"]
         up = [n for n in qkv if not n.attrs.get("low_rank")]
@@ -241,7 +254,7 @@ def group_layers(graph: Graph) -> Graph:
             base = "moe_block" if any(n.op == "grouped_matmul" for n in nodes) else "dense_block"
             base_count[base] += 1
             name = base if base_count[base] == 1 else f"{base}_{base_count[base]}"
-            ops, other = _layer_ops(nodes)
+            ops, other = _layer_ops(nodes, graph.tokens)
             kind = LayerKind(name=name, count=0, ops=ops, attrs={"other_params": other})
             kinds[sig] = kind
         kind.count += 1
@@ -276,6 +289,8 @@ def _global_ops(graph: Graph) -> list[FusedOp]:
 
 def _config(graph: Graph) -> dict:
     cfg: dict = {}
+    if graph.config.get("max_position_embeddings"):  # set by the frontend from the model config
+        cfg["max_position_embeddings"] = int(graph.config["max_position_embeddings"])
     emb, head = graph.global_op("embedding"), graph.global_op("lm_head")
     cfg["vocab"] = emb.in_features if emb else head.out_features if head else 0
     cfg["hidden"] = emb.out_features if emb else head.in_features if head else 0

@@ -1,0 +1,148 @@
+"""Can the DTensor backend run this model faithfully? Checked before ``compile`` writes files.
+
+:func:`backend_problem` answers from the module structure (the adapter of
+:mod:`shardc.backends.models`), not from a list of model names:
+
+* the adapter must know the layout (decoder layers, attention, MLP or MoE block);
+* every parameter must be placed by some op of the runtime (the projections, the MoE
+  router and expert weights, the layer's own norms, q/k norms inside attention) -- an
+  unplaced one (an attention sink, an expert bias, a shared-expert gate) is a part the
+  sharded forward would skip;
+* the MoE routing must be one :func:`shardc.backends.moe.route` implements
+  (:func:`shardc.backends.models.routing_kind`), the stacked expert weights in the layout
+  the runtime reads;
+* q/k norms inside attention must be weight-only RMSNorms (:func:`attention.qk_norm`);
+* attention features the layout-aware forward does not implement are refused (chunked
+  attention, layers without rotary embeddings).
+
+:func:`check_model_file` raises :class:`InputError` (exit 2) naming the family and the part.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardc.errors import InputError
+
+
+def _params_of(mod: nn.Module, prefix: str, names=None) -> set[str]:
+    if names is not None:
+        return {f"{prefix}.{n}" for n in names}
+    return {f"{prefix}.{n}" for n, _ in mod.named_parameters()}
+
+
+def _attention_problem(att, family: str) -> str | None:
+    mod = att.module
+    if family == "gpt2" and (getattr(mod, "reorder_and_upcast_attn", False)
+                             or getattr(mod, "is_cross_attention", False)):
+        return "GPT-2 attention with reorder_and_upcast_attn or cross-attention"
+    if family not in ("hf", "gpt2"):
+        return None
+    if not att.mla and not all(hasattr(mod, a) for a in ("head_dim", "scaling", "layer_idx")):
+        return f"attention {type(mod).__name__} without head_dim / scaling / layer_idx"
+    cfg = getattr(mod, "config", None)
+    if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "partial rotary embeddings"
+    if getattr(mod, "attention_chunk_size", None) or getattr(cfg, "attention_chunk_size", None):
+        return "chunked attention"  # Llama-4
+    if getattr(mod, "use_rope", True) is False:
+        return "attention layers without rotary embeddings"
+    for norm, pre in att.qk_norms:
+        names = [n for n, _ in norm.named_parameters()]
+        if names != ["weight"]:
+            return f"{pre}: q/k norm with parameters {names} (only weight-only RMSNorm)"
+    return None
+
+
+def _owned(ad) -> tuple[set[str], str | None]:
+    """Parameter FQNs the runtime places, and the first unsupported part (or None)."""
+    owned: set[str] = set()
+    for mod, pre in [ad.embedding, ad.final_norm, ad.lm_head] + \
+            list(getattr(ad, "position_embeddings", [])):
+        owned |= _params_of(mod, pre)
+    for i in range(ad.num_layers):
+        try:
+            site = ad.layer(i)
+        except InputError as e:
+            return owned, str(e)
+        except AttributeError as e:
+            return owned, f"layer {i}: a layout the DTensor backend does not know ({e})"
+        att = site.attention
+        for mod, pre in att.qkv + [att.out] + att.down + att.down_norms + att.qk_norms:
+            owned |= _params_of(mod, pre)
+        problem = _attention_problem(att, ad.family)
+        if problem:
+            return owned, f"layer {i}: {problem}"
+        for mod, pre in site.norms:
+            owned |= _params_of(mod, pre)
+        if site.mlp is not None:
+            ffn1, ffn2 = site.mlp
+            for mod, pre in ffn1 + [ffn2]:
+                owned |= _params_of(mod, pre)
+        if site.moe is not None:
+            moe = site.moe
+            owned |= _params_of(moe.router[0], moe.router[1], ["weight"])
+            owned |= _params_of(moe.experts, f"{moe.prefix}.experts", [moe.w1, moe.w2])
+            if moe.shared is not None:
+                ffn1, ffn2, _ = moe.shared
+                for mod, pre in ffn1 + [ffn2]:
+                    owned |= _params_of(mod, pre)
+            problem = _moe_problem(moe, ad)
+            if problem:
+                return owned, f"layer {i}: {problem}"
+    return owned, None
+
+
+def _moe_problem(moe, ad) -> str | None:
+    if moe.routing is None:
+        return (f"router {type(moe.router[0]).__name__}: routing the backend does not "
+                "implement (softmax top-k, DeepSeek-V2 / V3, sparsemixer)")
+    w1 = getattr(moe.experts, moe.w1)
+    hidden = int(ad.embedding[0].weight.shape[-1])
+    in_dim = w1.shape[-1] if moe.transposed else w1.shape[1]
+    if w1.ndim != 3 or int(in_dim) != hidden:
+        return (f"expert weights {moe.prefix}.experts.{moe.w1} {list(w1.shape)} are not "
+                "stacked [experts, out, in] as the backend reads them")
+    return None
+
+
+def backend_problem(model: nn.Module) -> str | None:
+    """Why the DTensor backend cannot run ``model`` as the model computes it (None if it can)."""
+    from shardc.backends.models import adapter_for
+
+    try:
+        ad = adapter_for(model)
+    except InputError as e:
+        return str(e)
+    owned, problem = _owned(ad)
+    if problem:
+        return problem
+    missing = [n for n, _ in model.named_parameters() if n not in owned]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return f"parameters the backend would not place: {', '.join(missing[:3])}{more}"
+    return None
+
+
+def family_name(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "model_type", "") or type(model).__name__)
+
+
+def check_module(model: nn.Module, source: str = "") -> None:
+    """:class:`InputError` (one line: family and unsupported part) if the backend cannot run it."""
+    problem = backend_problem(model)
+    if problem:
+        where = f"{source}: " if source else ""
+        raise InputError(f"{where}{family_name(model)}: the DTensor backend cannot run this "
+                         f"model ({problem}); no parallelize.py would work, so nothing is written")
+
+
+def check_model_file(path: str) -> None:
+    """Build the model of ``path`` (``tiny_model()`` when the file has one: same structure,
+    cheaper; otherwise ``build_model()``, on meta for full-size models) and :func:`check_module`."""
+    from shardc.frontends.model_file import load_model_file
+
+    src = load_model_file(path)
+    model, _ = src.build(tiny=src.tiny_model is not None)
+    check_module(model, src.source)
