@@ -103,11 +103,12 @@ class Plan:
                                  str(path))
 
     # ------------------------------------------------------------------ backend
-    def code(self) -> str:
-        """``parallelize.py`` source for this plan."""
+    def code(self, standalone: bool = False) -> str:
+        """``parallelize.py`` source for this plan (``standalone``: on torch's parallel API,
+        importing only torch; InputError for a plan that path does not cover yet)."""
         from shardc.backends.dtensor import emit_parallelize
 
-        return emit_parallelize(self)
+        return emit_parallelize(self, standalone=standalone)
 
     def apply(self, model, device_mesh=None):
         """Shard ``model`` in process on ``device_mesh`` (created from the logical mesh when

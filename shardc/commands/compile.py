@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from shardc.errors import InputError
 from shardc.ir.strategy import Workload
 from shardc.text import out_dir_name
 from shardc.validate import (
@@ -60,6 +61,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0)
     p.add_argument("--out", default=None, help="output directory (default ./shardc_out/<model>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--standalone", action="store_true",
+                   help="parallelize.py on torch's parallel API importing only torch")
 
 
 def _progress_bar(budget: int, quiet: bool):
@@ -126,8 +129,10 @@ def run(args) -> int:
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome, plan),
     }
+    if from_onnx and getattr(args, "standalone", False):
+        raise InputError("--standalone: an ONNX model gets no parallelize.py (no torch module)")
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
-        files["parallelize.py"] = plan.code()
+        files["parallelize.py"] = plan.code(standalone=getattr(args, "standalone", False))
     written = write_outputs(out, files)
     print(summary_table(plan))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")

@@ -1,0 +1,153 @@
+"""Emit the torch-style ``parallelize.py``: one ``parallelize_module`` plan per layer kind.
+
+The file reads as the parallelism it applies (torchtitan-style)::
+
+    for i in LAYER_KINDS['dense_block']:
+        parallelize_module(layers[i], tp_mesh, {
+            'self_attn.q_proj': ColwiseParallel(),  # qkv col: no collective
+            'self_attn.o_proj': RowwiseParallel(),  # out_proj row: all_reduce P->R
+            ...
+        }, src_data_rank=None)
+
+from :func:`shardc.backends.torch_styles.style_plan`. ``inline=True`` (``shardc compile
+--standalone``) pastes the torch-only runtime (:data:`shardc.runtime.SOURCES`) into the
+file, its imports hoisted and merged, so the file imports only torch; otherwise it imports
+``shardc.runtime``. Input reaches the file as in :mod:`shardc.backends.dtensor`: layer-kind
+names and module suffixes (from plan.json) as literals (``_literal``), comments through
+``one_line``; style code is built from a fixed vocabulary only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
+from shardc.backends.torch_styles import NotCovered, style_plan
+from shardc.errors import InputError
+
+RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
+# names the generated part may use, and where they come from
+_TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
+                "RowwiseParallel": "torch.distributed.tensor.parallel",
+                "parallelize_module": "torch.distributed.tensor.parallel",
+                "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
+_RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "ReplicateParallel", "decoder_layers",
+                  "install_batch_split", "make_mesh", "submesh")
+_STANDALONE_NOTE = ("\n\nStandalone: imports only torch; shardc's few ParallelStyles (what torch "
+                    "lacks) are\ninlined below, ahead of the plan.")
+
+
+def _name_key(name: str):
+    """isort's order-by-type: CONSTANTS, Classes, then functions, each alphabetical."""
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return kind, name
+
+
+def _import_block(straight: set[str], froms: dict[str, set[str]]) -> str:
+    lines = [f"import {m}" for m in sorted(straight, key=lambda m: m.split(" as ")[0])]
+    for m, ns in sorted(froms.items()):
+        names = sorted(ns, key=_name_key)
+        line = f"from {m} import {', '.join(names)}"
+        if len(line) > 100:  # isort's wrapped form
+            line = f"from {m} import (\n" + "".join(f"    {n},\n" for n in names) + ")"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _runtime_sources(straight: set[str], froms: dict[str, set[str]]) -> str:
+    """The runtime modules' code without docstrings and imports (collected into
+    ``straight`` / ``froms``), in :data:`shardc.runtime.SOURCES` order."""
+    from shardc.runtime import SOURCES
+
+    parts = []
+    for name in SOURCES:
+        src = (RUNTIME_DIR / name).read_text()
+        lines = src.splitlines()
+        drop = set()
+        tree = ast.parse(src)
+        for i, node in enumerate(tree.body):
+            doc = i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            if isinstance(node, ast.Import):
+                straight.update(a.name + (f" as {a.asname}" if a.asname else "")
+                                for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.module != "__future__" and not node.module.startswith("shardc"):
+                    froms.setdefault(node.module, set()).update(a.name for a in node.names)
+            elif not doc:
+                continue
+            drop.update(range(node.lineno - 1, node.end_lineno))
+        body = "\n".join(line for i, line in enumerate(lines) if i not in drop).strip("\n")
+        parts.append(f"# ---- shardc.runtime.{name[:-3]} (inlined; torch only) ----\n\n\n{body}")
+    return "\n\n\n".join(parts)
+
+
+def _plan_dict(entries, indent: int) -> list[str]:
+    pad = " " * indent
+    return [f"{pad}    {_literal(e.suffix)}: {e.style},  # {_comment(e.comment, 0)[2:]}"
+            for e in entries]
+
+
+def emit_style_parallelize(plan, inline: bool = True) -> str:
+    """``parallelize.py`` of ``plan`` on torch's parallel API (see the module docstring).
+    Raises InputError naming what the torch-style runtime does not cover yet."""
+    try:
+        sp = style_plan(plan)
+    except NotCovered as e:
+        raise InputError(f"--standalone: {e} (the default parallelize.py covers it)") from None
+    kinds = plan.layer_kind_map()
+    shape = tuple(int(s) for s in plan.logical_mesh["shape"])
+    dim_names = tuple(str(n) for n in plan.logical_mesh["dim_names"])
+    body = ["def parallelize(model, world_mesh=None):",
+            '    """Place every parameter of ``model`` per the plan; returns the model to call."""',
+            "    if world_mesh is None:",
+            "        world_mesh = make_mesh(MESH_SHAPE, MESH_DIM_NAMES)"]
+    if sp.tp > 1:
+        body.append("    tp_mesh = submesh(world_mesh, ('tp',))")
+    if sp.expert_mesh:
+        body.append("    expert_mesh = submesh(world_mesh, ('ep', 'tp'))  # experts: ep x tp")
+    body.append("    layers = decoder_layers(model)")
+    for kp in sp.kinds:
+        body.append(_comment(f"{kp.kind} x {len(kp.layers)}"))
+        body += [_comment(f"  {n}") for n in kp.notes]
+        if not kp.entries and kp.experts is None:
+            body.append(_comment("  nothing to shard over tp: weights stay whole"))
+            continue
+        body.append(f"    for i in LAYER_KINDS[{_literal(kp.kind)}]:")
+        if kp.entries:
+            body.append("        parallelize_module(layers[i], tp_mesh, {")
+            body += _plan_dict(kp.entries, 8)
+            body.append("        }, src_data_rank=None)")
+        if kp.experts is not None:
+            body.append(f"        # {_comment(kp.experts.comment, 0)[2:]}")
+            body.append(f"        parallelize_module(layers[i].mlp.experts, expert_mesh, "
+                        f"{kp.experts.style}, src_data_rank=None)")
+    if sp.model_entries:
+        body.append("    parallelize_module(model, tp_mesh, {")
+        body += _plan_dict(sp.model_entries, 4)
+        body.append("    }, src_data_rank=None)")
+    body.append(_comment("dp x ep: each rank serves its slice of the batch (flattened mesh); "
+                         "logits all-gathered"))
+    body.append("    return install_batch_split(model, world_mesh)")
+    code_text = "\n".join(body)
+    data = "\n".join([f"MESH_SHAPE = {_literal(shape)}",
+                      f"MESH_DIM_NAMES = {_literal(dim_names)}",
+                      f"DEGREES = {_literal(plan.strategy().degrees.as_dict())}",
+                      f"LAYER_KINDS = {_literal(_ranges(kinds))}"])
+    used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if n + "(" in code_text}
+    straight: set[str] = set()
+    froms: dict[str, set[str]] = {}
+    for n in used & set(_TORCH_NAMES):
+        froms.setdefault(_TORCH_NAMES[n], set()).add(n)
+    runtime = ""
+    if inline:
+        runtime = "\n\n" + _runtime_sources(straight, froms)
+    else:
+        froms["shardc.runtime"] = used & set(_RUNTIME_NAMES)
+    third = {m: ns for m, ns in froms.items() if not m.startswith("shardc")}
+    imports = _import_block(straight, third)
+    if "shardc.runtime" in froms:
+        imports += "\n\n" + _import_block(set(), {"shardc.runtime": froms["shardc.runtime"]})
+    doc = _DOC.format(**doc_fields(plan), standalone_note=_STANDALONE_NOTE if inline else "")
+    future = "\nfrom __future__ import annotations\n" if inline else ""
+    return (f"{doc}{future}\n{imports}{runtime}\n\n\n{data}\n\n\n{code_text}\n")
