@@ -106,7 +106,8 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         body.append("    tp_mesh = submesh(world_mesh, ('tp',))")
     if sp.expert_mesh:
         body.append("    expert_mesh = submesh(world_mesh, ('ep', 'tp'))  # experts: ep x tp")
-    body.append("    layers = decoder_layers(model)")
+    if any(kp.entries or kp.experts is not None for kp in sp.kinds):
+        body.append("    layers = decoder_layers(model)")
     for kp in sp.kinds:
         body.append(_comment(f"{kp.kind} x {len(kp.layers)}"))
         body += [_comment(f"  {n}") for n in kp.notes]

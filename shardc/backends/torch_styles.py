@@ -34,6 +34,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|gate_up_proj|dow
 GLOBAL_PARAMS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 
 
+COVERED = ("covered: HF Llama-style decoders -- Llama, Qwen2/3, Mistral, Gemma-2 -- with dense "
+           "or Mixtral/Qwen-MoE-style experts, DeepSeek-V2/V3 MLA with shared experts")
+
+
 class NotCovered(ValueError):
     """The torch-style path does not (yet) cover this plan; the message says what."""
 
@@ -136,8 +140,8 @@ def _structure(params: list[dict], layer: int) -> dict[str, list[str]]:
         elif "." not in mod and len(p["shape"]) == 1:
             role = "norm"
         else:
-            raise NotCovered(f"parameter {name} of {mod!r} in layer {layer}: the torch-style "
-                             "runtime covers HF Llama-style / MLA decoder layers only")
+            raise NotCovered(f"parameter {name} of {mod!r} in layer {layer} is not in a "
+                             f"layer the torch-style runtime knows ({COVERED})")
         if m.group(3) == "bias" and role not in ("qkv", "out_proj", "norm"):
             raise NotCovered(f"a bias on {mod!r} in layer {layer} is not covered")
         roles.setdefault(role, [])
@@ -166,8 +170,8 @@ def style_plan(plan) -> StylePlan:
     others = sorted({str(p["fqn"]) for p in plan.params
                      if not _LAYER.match(str(p["fqn"]))} - GLOBAL_PARAMS)
     if others:
-        raise NotCovered(f"parameter {others[0]!r} is outside an HF causal LM's "
-                         "model.layers / embed_tokens / norm / lm_head")
+        raise NotCovered(f"{plan.model.get('name')}: parameter {others[0]!r} is outside an HF "
+                         "causal LM's model.layers / embed_tokens / norm / lm_head (" + COVERED + ")")
     res = residual_placement(deg)
     tp = deg.tp
     kinds, any_experts = [], False

@@ -1,0 +1,264 @@
+"""The torch-style backend: ``shardc compile --standalone`` emits a ``parallelize.py`` on
+torch's own parallel API (``parallelize_module`` with ``ColwiseParallel`` /
+``RowwiseParallel`` and shardc's few inlined styles) that imports only torch.
+
+* numerics: one 4-rank gloo launch runs the emitted files of tiny Llama (Megatron tp=4,
+  replicated attention + hidden ffn2, batch-split attention, dp x tp, KV cache), tiny Mixtral
+  (ep x tp, ep=4, replicated experts) and tiny DeepSeek-V3 (MLA tp=4, ep=4, batch-split MLA),
+  and the file ``shardc compile --standalone`` writes; logits equal the unsharded model's;
+* parameter placements: every parameter's DTensor placements (per SPMD mesh dim; a plain
+  tensor or an absent mesh dim is ``R``) and local shape equal plan.json's ``params`` rows;
+* imports: the emitted file imports only torch, ``import shardc.runtime`` pulls no
+  transformers / onnx / gymnasium / matplotlib / shardc.backends;
+* plans the path does not cover yet are refused (exit 2) naming what.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from test_backend_gloo import (
+    DEEPSEEK,
+    DENSE,
+    DS_LAYERS,
+    DS_MEGATRON,
+    LLAMA,
+    MIXTRAL,
+    MOE,
+    REP_ATTN,
+    TOL,
+    D,
+    M,
+    _with,
+    ruff_clean,
+)
+from torch.distributed.tensor import DTensor
+
+from shardc.backends.verify import Case, run_suites
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH_ATTN = {"qkv": "rep", "attn_core": "batch", "out_proj": "col"}
+
+# name -> (model file, degrees, choices); layer kinds come from the tiny graph
+CASES = {
+    "llama megatron tp4": (LLAMA, {"tp": 4}, DENSE),
+    "llama replicated attention, ffn2 hidden tp4": (
+        LLAMA, {"tp": 4}, _with(DENSE, D, ffn2="col", **REP_ATTN)),
+    "llama qkv rep, heads, out_proj rep tp4": (
+        LLAMA, {"tp": 4}, _with(DENSE, D, qkv="rep", out_proj="rep")),
+    "llama batch attention, hidden embedding, row lm_head tp4": (
+        LLAMA, {"tp": 4}, _with(DENSE, D, embedding="hidden", lm_head="row", **BATCH_ATTN)),
+    "llama dp2 tp2 ffn1 row": (LLAMA, {"tp": 2, "dp": 2}, _with(DENSE, D, ffn1="row")),
+    "mixtral ep2 tp2 megatron": (MIXTRAL, {"ep": 2, "tp": 2}, MOE),
+    "mixtral ep4": (MIXTRAL, {"ep": 4}, MOE),
+    "mixtral ep2 tp2 replicated experts, batch attention": (
+        MIXTRAL, {"ep": 2, "tp": 2},
+        _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep", **BATCH_ATTN)),
+    "deepseek MLA megatron tp4": (DEEPSEEK, {"tp": 4}, DS_MEGATRON),
+    "deepseek ep4, replicated dense attention": (
+        DEEPSEEK, {"ep": 4}, _with(DS_MEGATRON, D, **REP_ATTN)),
+    "deepseek ep2 tp2 batch-split MLA, shared rep": (
+        DEEPSEEK, {"ep": 2, "tp": 2},
+        _with(_with(DS_MEGATRON, D, **BATCH_ATTN), M, shared_ffn1="rep", shared_ffn2="rep",
+              **BATCH_ATTN)),
+}
+# (case name, base case, Case options): the same emitted file under a cache / padding
+VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 2}),
+            ("mixtral ep2 tp2, padding mask", "mixtral ep2 tp2 megatron", {"padded": "right"}),
+            ("deepseek MLA tp4, KV cache", "deepseek MLA megatron tp4", {"kv_cache": 2})]
+CLI_CASE = "llama: shardc compile --mesh 4x1 --search megatron --standalone"
+
+
+def build(model_file: str, degrees: dict, choices: dict):
+    from shardc.backends.apply import strategy_from_names
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.plan import build_plan
+
+    graph = load_graph(model_file, tiny=True)
+    st = strategy_from_names(degrees, choices, 8)
+    return build_plan(graph, st, Mesh(st.degrees.world, 1), "h100", Workload(batch=8))
+
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory) -> dict[str, tuple]:
+    """name -> (plan, path of its standalone parallelize.py); plus the CLI's file."""
+    tmp = tmp_path_factory.mktemp("standalone")
+    out = {}
+    for i, (name, (model, degrees, choices)) in enumerate(CASES.items()):
+        plan = build(model, degrees, choices)
+        path = tmp / f"case{i}_parallelize.py"
+        path.write_text(plan.code(standalone=True))
+        out[name] = (plan, path)
+    cli_out = tmp / "cli"
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", LLAMA, "--mesh", "4x1",
+                        "--search", "megatron", "--standalone", "--quiet", "--out",
+                        str(cli_out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out[CLI_CASE] = (None, cli_out / "parallelize.py")
+    return out
+
+
+@pytest.fixture(scope="module")
+def gloo_results(emitted):
+    ruff_clean([str(p) for _, p in emitted.values()])
+    model_of = {name: CASES[name][0] for name in CASES}
+    model_of[CLI_CASE] = LLAMA
+    suites = []
+    for model in (LLAMA, MIXTRAL, DEEPSEEK):
+        cases = [Case(n, {}, {}, None, code=str(emitted[n][1]))
+                 for n in emitted if model_of[n] == model]
+        cases += [Case(n, {}, {}, None, code=str(emitted[base][1]), **opts)
+                  for n, base, opts in VARIANTS if model_of[base] == model]
+        suites.append((model, cases))
+    return {r["name"]: r for r in run_suites(suites, world=4)}
+
+
+@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), CLI_CASE])
+def test_standalone_logits_match_unsharded(gloo_results, name):
+    r = gloo_results[name]
+    assert r["error"] is None, r["error"]
+    assert r["rel_err"] <= TOL, r
+
+
+def _imported_modules(src: str) -> set[str]:
+    mods = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            mods.add(node.module)
+    return mods
+
+
+def test_standalone_imports_only_torch(emitted):
+    for name, (_, path) in emitted.items():
+        mods = _imported_modules(path.read_text())
+        assert {m.split(".")[0] for m in mods} <= {"torch", "__future__"}, (name, mods)
+
+
+def _plan_entries(src: str) -> list[dict[str, str]]:
+    """The dict literals passed to ``parallelize_module``: {module suffix: style class}."""
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "parallelize_module" \
+                and len(node.args) == 3 and isinstance(node.args[2], ast.Dict):
+            out.append((node.lineno, {k.value: v.func.id
+                                      for k, v in zip(node.args[2].keys, node.args[2].values)}))
+    return [entries for _, entries in sorted(out)]
+
+
+def test_megatron_file_reads_as_colwise_rowwise_plans(emitted):
+    src = emitted["llama megatron tp4"][1].read_text()
+    layer, top = _plan_entries(src)
+    assert layer == {"self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
+                     "self_attn.v_proj": "ColwiseParallel", "self_attn.o_proj": "RowwiseParallel",
+                     "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel",
+                     "mlp.down_proj": "RowwiseParallel"}
+    assert top == {"model.embed_tokens": "RowwiseParallel", "lm_head": "ColwiseParallel"}
+    # the collective each entry implies, from the contract's walk
+    assert "'self_attn.o_proj': RowwiseParallel(),  # out_proj row: all_reduce P->R" in src
+    assert "# lm_head col: all_gather S(1)->R" in src
+    moe = emitted["mixtral ep2 tp2 megatron"][1].read_text()
+    assert "ExpertParallel(tp_split=True)" in moe and "uneven all_to_all_single" in moe
+
+
+def test_runtime_import_pulls_no_heavy_package():
+    code = ("import sys, shardc.runtime\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'onnx', "
+            "'gymnasium', 'matplotlib') or m.startswith('shardc.backends'))\n"
+            "print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def _spelled(p, dims: list[str]) -> list[str]:
+    """Placements of parameter ``p`` per SPMD dim as plan.json spells them."""
+    got = dict(zip(p.device_mesh.mesh_dim_names, p.placements)) if isinstance(p, DTensor) else {}
+    out = []
+    for d in dims:
+        pl = got.get(d)
+        out.append(f"S({pl.dim % p.ndim})" if pl is not None and pl.is_shard() else "R")
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama megatron tp4", "llama dp2 tp2 ffn1 row",
+                                  "llama batch attention, hidden embedding, row lm_head tp4",
+                                  "mixtral ep2 tp2 megatron", "mixtral ep4",
+                                  "mixtral ep2 tp2 replicated experts, batch attention",
+                                  "deepseek MLA megatron tp4", "deepseek ep2 tp2 batch-split MLA, shared rep"])
+def test_parameter_placements_equal_plan_rows(emitted, name):
+    """On 4 fake ranks: each parameter's placements and local shape == its plan.json row."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build
+
+    plan, path = emitted[name]
+    spec = importlib.util.spec_from_file_location(f"standalone_{abs(hash(name))}", path)
+    code = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = _build(CASES[name][0], 8, 8)[0]
+        code.parallelize(model)
+        dims = plan.strategy().degrees.spmd_dims()
+        rows = {r["fqn"]: r for r in plan.params}
+        params = dict(model.named_parameters())
+        assert set(params) == set(rows)
+        sharded = 0
+        for fqn, p in params.items():
+            assert _spelled(p, dims) == rows[fqn]["placements"], fqn
+            local = p.to_local() if isinstance(p, DTensor) else p
+            assert list(local.shape) == rows[fqn]["local_shape"], fqn
+            sharded += "S(" in str(rows[fqn]["placements"])
+        assert sharded > 0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("degrees, choices, what", [
+    ({"tp": 2, "sp": 2}, DENSE, "sequence parallelism"),
+    ({"tp": 2, "pp": 2}, DENSE, "pp=2"),
+    ({"tp": 4}, _with(DENSE, D, qkv="row", attn_core="batch"), "batch-split attention after qkv row"),
+])
+def test_uncovered_plan_is_refused_naming_what(degrees, choices, what):
+    from shardc.errors import InputError
+
+    plan = build(LLAMA, degrees, choices)
+    with pytest.raises(InputError, match=what):
+        plan.code(standalone=True)
+    assert "ModelSharder" in plan.code()  # the default file still covers it
+
+
+def test_uncovered_router_and_family_refused(tmp_path):
+    from shardc.errors import InputError
+
+    plan = build(MIXTRAL, {"ep": 2, "tp": 2}, _with(MOE, M, router="col"))
+    with pytest.raises(InputError, match="router col"):
+        plan.code(standalone=True)
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile",
+                        str(ROOT / "examples" / "configs" / "gpt2" / "config.json"), "--mesh",
+                        "2x1", "--search", "megatron", "--context", "512", "--standalone",
+                        "--quiet", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("shardc: error: --standalone: gpt2:") and "Traceback" not in r.stderr
+    assert "covered: HF Llama-style" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_layer_kinds_of_deepseek_plan_cover_both_kinds(emitted):
+    plan, path = emitted["deepseek MLA megatron tp4"]
+    assert plan.layer_kind_map() == DS_LAYERS
+    src = path.read_text()
+    assert src.count("for i in LAYER_KINDS[") == 2 and "'self_attn.kv_b_proj': ColwiseParallel()" in src
+    assert json.loads(json.dumps(plan.to_dict()))  # strict JSON round trip
