@@ -61,7 +61,7 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     ``time_limit_s`` for exact). ``exact`` uses the cost model's branch decomposition
     (:mod:`shardc.search.exact_decomposed`) when ``objective`` is a
     :func:`cost_model_objective` of this space (``decompose=False`` forces the plain sweep)."""
-    from shardc.search import baselines, exact, rl
+    from shardc.search import baselines, exact  # rl (torch, gymnasium) only when it runs
     from shardc.search.legal import LegalSampler
 
     if policy not in POLICIES:
@@ -74,6 +74,8 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     extra: dict = {}
     t0 = time.perf_counter()
     if policy == "rl":
+        from shardc.search import rl
+
         extra = rl.search_rl(sampler, meter, rng, seed, **options)
     elif policy == "exact":
         if isinstance(objective, CostModelObjective) and objective.space is space \
