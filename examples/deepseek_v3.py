@@ -13,7 +13,8 @@ def config() -> DeepseekV3Config:
                             num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
                             n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
                             q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-                            qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False)
+                            qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False,
+                            max_position_embeddings=163840)  # the public config (YaRN x40 of 4096)
 
 
 def tiny_config() -> DeepseekV3Config:

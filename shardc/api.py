@@ -15,9 +15,8 @@ from pathlib import Path
 from shardc.cost import load_hardware
 from shardc.errors import InputError
 from shardc.ir.graph import Graph
-from shardc.ir.strategy import Mesh, Workload
-
-SEARCH_POLICIES = ("rl", "megatron", "sa", "rw", "ga", "exact")
+from shardc.ir.strategy import Mesh, Workload, parse_degree_fields
+from shardc.search import POLICIES
 
 
 def load_model_graph(model, example_inputs=None, name: str | None = None) -> Graph:
@@ -51,19 +50,23 @@ def check_backend_support(model) -> None:
 
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
-            seed: int = 0, progress=None, name: str | None = None):
+            seed: int = 0, progress=None, name: str | None = None,
+            degrees: str | dict | None = None):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
 
-    Raises InputError (bad input) or InfeasibleError (nothing fits; says what is short).
+    ``degrees`` fixes any subset of tp, ep, pp, dp, sp (``"tp=8,pp=2"`` or a dict); the
+    search explores the rest. Raises InputError (bad input) or InfeasibleError (nothing
+    fits; says what is short).
     """
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
-                                budget, seed, progress, name)[0]
+                                budget, seed, progress, name, degrees=degrees)[0]
 
 
 def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          hardware: str = "h100", workload: Workload | None = None,
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
-                         name: str | None = None, check_backend: bool = True):
+                         name: str | None = None, check_backend: bool = True,
+                         degrees: str | dict | None = None):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
@@ -74,8 +77,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     from shardc.driver import search_pass
     from shardc.plan import build_plan
 
-    if search not in SEARCH_POLICIES:
-        raise InputError(f"--search {search!r}: expected one of {', '.join(SEARCH_POLICIES)}")
+    if search not in POLICIES:
+        raise InputError(f"--search {search!r}: expected one of {', '.join(POLICIES)}")
     if int(budget) < 1:
         raise InputError("--budget must be a positive number of evaluations")
     if int(seed) < 0:
@@ -87,8 +90,9 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     if check_backend:
         check_backend_support(model)
     t0 = time.perf_counter()
+    fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
-                          seed=int(seed), progress=progress)
+                          seed=int(seed), progress=progress, fixed=fixed)
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
     mega = outcome.megatron
@@ -102,6 +106,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,
         "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
     }
+    if fixed:
+        search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}
     plan = build_plan(graph=outcome.graph, strategy=outcome.strategy, mesh=mesh,
                       hardware=hw.name, workload=workload, predicted=breakdown.predicted,
                       baseline=baseline, search=search_info)

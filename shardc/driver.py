@@ -55,9 +55,12 @@ def _canonical_when_tp1(space, objective, action, value):
 
 
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
-                budget: int = 4000, seed: int = 0, progress=None) -> SearchOutcome:
-    """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits."""
-    space = StrategySpace(graph, mesh, workload)
+                budget: int = 4000, seed: int = 0, progress=None,
+                fixed: dict[str, int] | None = None) -> SearchOutcome:
+    """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits.
+    ``fixed``: degrees the user fixed (``--degrees``; see :class:`StrategySpace`); the
+    searcher and the Megatron baseline explore the rest."""
+    space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}))
     cost_model = CostModel(graph, mesh, hardware, workload)
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     megatron = run_search("megatron", space, objective, budget=budget, seed=seed)

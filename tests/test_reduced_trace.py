@@ -26,7 +26,7 @@ import llama3_70b  # noqa: E402
 import mixtral_8x7b  # noqa: E402
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=8, max_position_embeddings=256)
+              num_key_value_heads=4, head_dim=8, max_position_embeddings=8192)
 
 
 def _hf_source(config, name: str = "m") -> ModelSource:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny_llama.py")
 TINY_CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-               "vocab_size": 256, "max_position_embeddings": 128}
+               "vocab_size": 256, "max_position_embeddings": 8192}
 
 # Each payload creates the file PWNED in the current directory if it ever runs as code.
 # (No "/" in them: config.json names are reduced to their last path component.)

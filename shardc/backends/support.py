@@ -20,7 +20,11 @@
 
 from __future__ import annotations
 
-from torch import nn
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from shardc.errors import InputError
 
@@ -140,9 +144,31 @@ def check_module(model: nn.Module, source: str = "") -> None:
 
 def check_model_file(path: str) -> None:
     """Build the model of ``path`` (``tiny_model()`` when the file has one: same structure,
-    cheaper; otherwise ``build_model()``, on meta for full-size models) and :func:`check_module`."""
-    from shardc.frontends.model_file import load_model_file
+    cheaper; otherwise ``build_model()``, on meta for full-size models) and :func:`check_module`.
+    The verdict is cached beside the traced graph (keyed by the model file, the source files
+    it imported and the backend's code), so a warm compile neither builds the model again
+    nor imports torch for it."""
+    import json
 
-    src = load_model_file(path)
-    model, _ = src.build(tiny=src.tiny_model is not None)
-    check_module(model, src.source)
+    from shardc.frontends import graph_cache
+
+    key = graph_cache.derived_key(path, "backend-support", ("backends",)) \
+        if graph_cache.cache_enabled() and Path(path).is_file() else None
+    cached = graph_cache.load_text(key) if key else None
+    if cached is not None:
+        verdict = json.loads(cached)
+    else:
+        from shardc.frontends.imports import recording_imports
+        from shardc.frontends.model_file import load_model_file
+
+        with recording_imports() as imported:
+            src = load_model_file(path)
+            model, _ = src.build(tiny=src.tiny_model is not None)
+            verdict = {"problem": backend_problem(model), "family": family_name(model),
+                       "source": src.source}
+        if key:
+            graph_cache.store_text(key, json.dumps(verdict), deps=imported)
+    if verdict["problem"]:
+        raise InputError(f"{path}: {verdict['family']}: the DTensor backend cannot run this "
+                         f"model ({verdict['problem']}); no parallelize.py would work, so "
+                         "nothing is written")

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 from shardc.errors import InputError
+from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
 
 HELP = "run the search benchmark suites (paper, zoo) and write tables under benchmarks/"
 SEEDED = ("rl", "sa", "rw", "ga")
-ALL_POLICIES = ("rl", "sa", "rw", "ga", "megatron", "exact")
 NOTES_MARKER = "<!-- hand-written notes below this line: shardc bench keeps them -->"
 
 
@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     g.add_argument("--ray", metavar="ADDRESS", default=None, help="run cases on a Ray cluster")
     p.add_argument("--json", default=None, help="rows JSON (default benchmarks/<suite>.json)")
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
-    p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated subset")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
@@ -162,9 +162,9 @@ def run(args) -> int:
         if not cases:
             raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in ALL_POLICIES]
+    bad = [p for p in policies if p not in POLICIES]
     if bad:
-        raise InputError(f"--policies: unknown {', '.join(bad)} (expected {', '.join(ALL_POLICIES)})")
+        raise InputError(f"--policies: unknown {', '.join(bad)} (expected {', '.join(POLICIES)})")
     budget = args.budget or int(cases[0]["budget"])
     seeds = args.seeds or int(cases[0]["seeds"])
     if budget < 1 or seeds < 1 or args.jobs < 1:

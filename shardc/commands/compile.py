@@ -8,7 +8,8 @@ from pathlib import Path
 from tabulate import tabulate
 
 from shardc.errors import InputError
-from shardc.ir.strategy import Workload
+from shardc.ir.strategy import Workload, parse_degree_fields
+from shardc.search import POLICIES
 from shardc.text import out_dir_name
 from shardc.validate import (
     MAX_BATCH,
@@ -55,7 +56,10 @@ def add_arguments(p) -> None:
     p.add_argument("model", help="model file (.py), .onnx, or HF config.json")
     p.add_argument("--mesh", required=True, help="GxN: N nodes of G GPUs, e.g. 8x128")
     add_workload_arguments(p)
-    p.add_argument("--search", default="rl", choices=["rl", "megatron", "sa", "rw", "ga", "exact"])
+    p.add_argument("--search", default="rl", choices=list(POLICIES))
+    p.add_argument("--degrees", default=None,
+                   help="fix any subset of degrees, search the rest, e.g. tp=8,pp=2 "
+                        "(tp, ep, pp, dp; sp=on|off)")
     p.add_argument("--budget", type=int_arg(1, MAX_BUDGET, "evaluations"), default=4000,
                    help=f"simulator evaluations (at most {MAX_BUDGET:,})")
     p.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0)
@@ -112,11 +116,13 @@ def run(args) -> int:
 
     model_path = Path(args.model)
     workload = workload_from_args(args)
+    fixed = parse_degree_fields(args.degrees) if args.degrees else None  # bad input before tracing
     progress, bar = _progress_bar(args.budget, args.quiet)
     try:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
-            search=args.search, budget=args.budget, seed=args.seed, progress=progress)
+            search=args.search, budget=args.budget, seed=args.seed, progress=progress,
+            degrees=fixed)
     finally:
         if bar is not None:
             bar.close()

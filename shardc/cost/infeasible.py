@@ -78,7 +78,7 @@ def rejection_detail(cost_model, strategy) -> str:
     return f"{reason_text(code)} at {_split(strategy)}"
 
 
-def _batch_that_unblocks(graph, mesh, hardware, workload, blocked) -> str:
+def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None) -> str:
     """``--batch N`` that makes one of the batch-blocked splits feasible (the best one), or ""."""
     if workload.batch is not None:
         return ""
@@ -87,7 +87,7 @@ def _batch_that_unblocks(graph, mesh, hardware, workload, blocked) -> str:
                         else s.degrees.ep for s in blocked}):
         for mult in (1, 2, 4, 8, 16, 32, 64):
             wl = replace(workload, batch=need * mult)
-            space = StrategySpace(graph, mesh, wl)
+            space = StrategySpace(graph, mesh, wl, fixed=dict(fixed or {}))
             acts = _candidate_actions(space)
             if not len(acts):
                 continue
@@ -108,9 +108,11 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
     if short:
         return short
     head = f"no feasible plan on mesh {mesh} ({hardware.name}): "
+    if space.fixed:
+        head += "with " + ",".join(f"{k}={v}" for k, v in space.fixed.items()) + " fixed: "
     hidden = int(graph.config.get("hidden", 0) or 0)
     excluded = [d for d in range(2, min(mesh.gpus, MAX_TP) + 1)
-                if mesh.gpus % d == 0 and d not in space.values["tp"]]
+                if mesh.gpus % d == 0 and d not in space.values["tp"] and "tp" not in space.fixed]
     not_tp = (f"; tp={', '.join(map(str, excluded))} cannot be used (tp must divide hidden "
               f"{hidden})") if excluded else ""
     acts = _candidate_actions(space)
@@ -138,7 +140,7 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
             furthest[key] = (int(ev.reason[i]), s)
     if binding == BAD_BATCH:
         text += _batch_that_unblocks(graph, mesh, hardware, workload,
-                                     [space.decode(acts[i]) for i in at])
+                                     [space.decode(acts[i]) for i in at], space.fixed)
     for code in sorted({c for c, _ in furthest.values() if c < binding}):
         stopped = [s for key, (c, s) in sorted(furthest.items()) if c == code]
         names = [_split(s).rsplit(" batch=", 1)[0] for s in stopped]
@@ -146,5 +148,5 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
             f" and {len(names) - MAX_SPLITS_NAMED} more" if len(names) > MAX_SPLITS_NAMED else "")
         text += f"; {shown}: {reason_text(code).split(' (')[0]} at every batch candidate"
         if code == BAD_BATCH:
-            text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped)
+            text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped, space.fixed)
     return text + not_tp

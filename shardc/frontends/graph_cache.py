@@ -104,17 +104,12 @@ def load_entry(key: str) -> Graph | None:
     """The cached graph for ``key``, or None if absent, unreadable (corrupt entries are
     ignored; the next :func:`store_entry` replaces them), or if a source file it recorded
     as imported is missing or changed."""
-    f = entry_path(key)
-    try:
-        with gzip.open(f, "rt", encoding="utf-8") as fh:
-            header = json.loads(fh.readline())
-            for path, digest in header["deps"]:
-                if _file_digest(path) != digest:
-                    return None
-            return Graph.from_json(fh.read())
-    except FileNotFoundError:
+    text = load_text(key)
+    if text is None:
         return None
-    except Exception:  # truncated gzip, bad JSON, stale schema: treat as a miss
+    try:
+        return Graph.from_json(text)
+    except Exception:  # stale schema: treat as a miss
         return None
 
 
@@ -122,6 +117,28 @@ def store_entry(key: str, graph: Graph, deps=()) -> Path | None:
     """Write ``graph`` atomically as the entry for ``key``, recording the current sha256 of
     each file in ``deps`` (the source files the model code imported); None if the folder is
     unwritable."""
+    return store_text(key, graph.to_json(), deps)
+
+
+def load_text(key: str) -> str | None:
+    """The text stored under ``key`` (see :func:`load_entry`; any cached derived fact of a
+    model file, e.g. the backend's verdict on it, uses the same entries)."""
+    f = entry_path(key)
+    try:
+        with gzip.open(f, "rt", encoding="utf-8") as fh:
+            header = json.loads(fh.readline())
+            for path, digest in header["deps"]:
+                if _file_digest(path) != digest:
+                    return None
+            return fh.read()
+    except FileNotFoundError:
+        return None
+    except Exception:  # truncated gzip, bad JSON: treat as a miss
+        return None
+
+
+def store_text(key: str, text: str, deps=()) -> Path | None:
+    """Write ``text`` atomically as the entry for ``key`` (see :func:`store_entry`)."""
     folder = cache_dir()
     tmp = None
     recorded = sorted((str(d), _file_digest(str(d))) for d in deps)
@@ -131,7 +148,7 @@ def store_entry(key: str, graph: Graph, deps=()) -> Path | None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json.gz", dir=folder)
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
             fh.write(header.encode("utf-8") + b"\n")
-            fh.write(graph.to_json().encode("utf-8"))
+            fh.write(text.encode("utf-8"))
         os.replace(tmp, entry_path(key))
         _prune(folder)
         return entry_path(key)
@@ -142,6 +159,18 @@ def store_entry(key: str, graph: Graph, deps=()) -> Path | None:
             except OSError:
                 pass
         return None
+
+
+def derived_key(path: str | Path, what: str, code_dirs: tuple[str, ...]) -> str:
+    """Key of a fact derived from model file ``path`` by shardc code under ``code_dirs``
+    (package-relative folders, e.g. ``("backends",)``): the graph key of the full-size model
+    plus ``what`` and those folders' code."""
+    h = hashlib.sha256(f"{cache_key(path, False)} {what}".encode())
+    for d in code_dirs:
+        for f in sorted((_PKG / d).rglob("*.py")):
+            h.update(f"{f.relative_to(_PKG).as_posix()}:".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def _prune(folder: Path) -> None:

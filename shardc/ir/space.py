@@ -22,7 +22,7 @@ import numpy as np
 from shardc.errors import InputError
 from shardc.ir.contract import GLOBAL_OPS, NUM_CHOICES, legal, op_choice
 from shardc.ir.graph import FUSED_OP_NAMES, Graph
-from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
+from shardc.ir.strategy import SP_ON, Degrees, Mesh, Strategy, Workload
 from shardc.validate import divisors
 
 DEGREE_COMPONENTS = ("tp", "ep", "pp", "sp", "batch")
@@ -53,6 +53,10 @@ class StrategySpace:
     values: dict[str, list[int]] = field(default_factory=dict)
     op_slots: list[str] = field(default_factory=list)  # "kind.op" or global "op"
     op_mask_by_tp: np.ndarray | None = None  # [n_tp, n_slots, 3]
+    # degrees the user fixed (``--degrees``; sp: 1, or SP_ON / the tp value for "on"): the
+    # search explores the rest
+    fixed: dict[str, int] = field(default_factory=dict)
+    replica_gpus: int | None = None  # tp * ep * pp when dp is fixed
 
     def __post_init__(self):
         check_positions(self.graph, self.workload)
@@ -63,6 +67,8 @@ class StrategySpace:
         ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
         pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
         sp = [0, 1] if self.workload.phase == "prefill" else [0]
+        if self.fixed:
+            tp, ep, pp, sp = self._apply_fixed(tp, ep, pp, sp, hidden, experts)
         if self.workload.batch is not None:
             batch = [int(self.workload.batch)]
         else:
@@ -78,6 +84,45 @@ class StrategySpace:
                 slots.append(name)
         self.op_slots = slots
         self.op_mask_by_tp = np.stack([self._op_mask_for_tp(t) for t in tp])
+
+    def _apply_fixed(self, tp, ep, pp, sp, hidden: int, experts: int):
+        """Restrict the degree values to ``self.fixed``; an InputError names a fixed degree
+        the model or the mesh rules out."""
+        f, world, layers = self.fixed, self.mesh.gpus, max(self.graph.num_layers, 1)
+        why = {"tp": f"tp must divide the GPU count {world} and hidden {hidden} (at most {MAX_TP})",
+               "ep": (f"ep must divide the GPU count {world} and the {experts} experts"
+                      if experts else "the model has no experts (ep must be 1)"),
+               "pp": f"pp must divide the GPU count {world} and be at most {min(MAX_PP, layers)}"}
+        out = {"tp": tp, "ep": ep, "pp": pp}
+        for name, values in out.items():
+            if name in f:
+                if f[name] not in values:
+                    raise InputError(f"--degrees {name}={f[name]}: not possible here ({why[name]})")
+                out[name] = [f[name]]
+        if "dp" in f:
+            if world % f["dp"]:
+                raise InputError(f"--degrees dp={f['dp']}: does not divide the GPU count {world}")
+            self.replica_gpus = world // f["dp"]
+            if not any(t * e * p == self.replica_gpus
+                       for t in out["tp"] for e in out["ep"] for p in out["pp"]):
+                raise InputError(f"--degrees dp={f['dp']}: no tp x ep x pp here makes "
+                                 f"{self.replica_gpus} GPUs per replica")
+        if "sp" in f and f["sp"] != 1:
+            if self.workload.phase != "prefill":
+                raise InputError("--degrees sp: sequence parallel applies to prefill only")
+            if f["sp"] != SP_ON and ("tp" not in f or f["sp"] != f["tp"]):
+                raise InputError(f"--degrees sp={f['sp']}: sp is 1 (off) or equal to tp (on)")
+            sp = [1]
+        elif "sp" in f:
+            sp = [0]
+        return out["tp"], out["ep"], out["pp"], sp
+
+    def fixed_degrees_fit(self, tp, ep, pp) -> np.ndarray:
+        """Whether degree values (arrays) agree with a fixed dp: tp * ep * pp = GPUs / dp."""
+        prod = np.asarray(tp) * np.asarray(ep) * np.asarray(pp)
+        if self.replica_gpus is None:
+            return np.ones(np.shape(prod), dtype=bool)
+        return prod == self.replica_gpus
 
     # ----------------------------------------------------------------- structure
     @property

@@ -159,24 +159,34 @@ class Degrees:
     @classmethod
     def parse(cls, text: str) -> Degrees:
         """Parse ``tp=8,ep=16,pp=2`` (missing degrees default to 1; sp accepts on/off)."""
-        kw: dict[str, int] = {}
-        for part in str(text).split(","):
-            if not part.strip():
-                continue
-            if "=" not in part:
-                raise InputError(f"--degrees {text!r}: expected name=value pairs, e.g. tp=8,ep=16")
-            k, v = (s.strip() for s in part.split("=", 1))
-            if k not in ("tp", "pp", "ep", "dp", "sp"):
-                raise InputError(f"--degrees: unknown degree {k!r} (expected tp, pp, ep, dp, sp)")
-            if k in kw:
-                raise InputError(f"--degrees {text!r}: {k} is given twice")
-            if k == "sp" and v in ("on", "off"):
-                kw[k] = -1 if v == "on" else 1
-                continue
-            kw[k] = parse_int_text(v, f"--degrees {k}", minimum=1, maximum=MAX_GPUS)
-        if kw.get("sp") == -1:
+        kw = parse_degree_fields(text)
+        if kw.get("sp") == SP_ON:
             kw["sp"] = kw.get("tp", 1)
         return cls(**kw)
+
+
+SP_ON = -1  # ``sp=on`` in --degrees: sequence parallel over the tp group
+
+
+def parse_degree_fields(text: str) -> dict[str, int]:
+    """The degrees named in ``tp=8,ep=16,pp=2`` (only those given; ``sp=on`` -> :data:`SP_ON`,
+    ``sp=off`` -> 1). Unknown or repeated names and non-integers are an InputError."""
+    kw: dict[str, int] = {}
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise InputError(f"--degrees {text!r}: expected name=value pairs, e.g. tp=8,ep=16")
+        k, v = (s.strip() for s in part.split("=", 1))
+        if k not in ("tp", "pp", "ep", "dp", "sp"):
+            raise InputError(f"--degrees: unknown degree {k!r} (expected tp, pp, ep, dp, sp)")
+        if k in kw:
+            raise InputError(f"--degrees {text!r}: {k} is given twice")
+        if k == "sp" and v in ("on", "off"):
+            kw[k] = SP_ON if v == "on" else 1
+            continue
+        kw[k] = parse_int_text(v, f"--degrees {k}", minimum=1, maximum=MAX_GPUS)
+    return kw
 
 
 def residual_placement(degrees: Degrees) -> str:

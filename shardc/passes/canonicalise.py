@@ -37,8 +37,6 @@ receive rows are read); ``gather_scatter``: ``(in + out) * b`` with no parameter
 
 from __future__ import annotations
 
-import torch
-
 from shardc.ir.graph import OP_KINDS, Graph, Node
 
 _TABLE: dict[str, tuple[str, ...]] = {
@@ -105,7 +103,11 @@ def numel(shape: list[int]) -> int:
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Element size in bytes of a dtype name (``bfloat16`` -> 2); unknown -> 2."""
+    """Element size in bytes of a dtype name (``bfloat16`` -> 2); unknown -> 2. torch is
+    imported here, not with the module: the compile driver imports ``shardc.passes`` (for
+    the annotate pass) and a warm compile that needs no torch must not load it."""
+    import torch
+
     try:
         return torch.empty((), dtype=getattr(torch, dtype)).element_size()
     except (AttributeError, TypeError):

@@ -33,6 +33,7 @@ from collections import defaultdict
 from shardc.errors import InputError
 from shardc.ir.graph import Graph, Node
 from shardc.passes.canonicalise import node_bytes
+from shardc.passes.dataflow import Dataflow
 
 _MATMULS = ("linear", "grouped_matmul")
 
@@ -92,32 +93,20 @@ def recognise_batched_experts(graph: Graph) -> int:
 
 
 class _Flow:
-    """Consumer lists and positions for reachability queries."""
+    """Node lookup, positions and the dataflow (:class:`~shardc.passes.dataflow.Dataflow`)
+    for the fused-op questions of one graph."""
 
     def __init__(self, graph: Graph):
         self.by_name = {n.name: n for n in graph.nodes}
         self.pos = {n.name: i for i, n in enumerate(graph.nodes)}
-        self.users: dict[str, list[Node]] = defaultdict(list)
-        for n in graph.nodes:
-            for i in n.inputs:
-                self.users[i].append(n)
+        self.dataflow = Dataflow(graph.nodes)
 
-    def reach(self, start: Node, stop_kinds=_MATMULS, targets: set[str] | None = None,
-              same_layer: bool = True) -> set[str]:
-        """Names of nodes reachable from ``start`` (exclusive). The walk does not continue
-        through nodes of ``stop_kinds`` (they are reported) nor leave ``start.layer``."""
-        seen: set[str] = set()
-        frontier = [start]
-        while frontier:
-            cur = frontier.pop()
-            for u in self.users.get(cur.name, ()):
-                if u.name in seen or (same_layer and u.layer != start.layer):
-                    continue
-                seen.add(u.name)
-                if u.op in stop_kinds or (targets is not None and u.name in targets):
-                    continue
-                frontier.append(u)
-        return seen
+    def reach(self, start: Node) -> set[str]:
+        """Names of nodes reachable from ``start`` (exclusive) within its layer; the walk
+        reports matmuls (linear, grouped) but does not continue through them."""
+        flow = self.dataflow
+        return flow.downstream(start.name, stop=lambda n: flow.op(n) in _MATMULS,
+                               within=flow.same_layer(start.name))
 
 
 def _out_features(n: Node) -> int:

@@ -33,6 +33,7 @@ from collections import defaultdict
 
 from shardc.ir.graph import FusedOp, Graph, LayerKind, Node
 from shardc.passes.canonicalise import dtype_bytes
+from shardc.passes.dataflow import Dataflow
 
 
 def _param_total(nodes: list[Node]) -> int:
@@ -144,33 +145,18 @@ def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
 
 def _feeders(start: str, nodes: list[Node], names: set[str]) -> set[str]:
     """Nodes whose output reaches ``start`` backwards, stopping at (and including) linears."""
-    by_name = {n.name: n for n in nodes}
-    out, stack = set(), [start]
-    while stack:
-        cur = by_name.get(stack.pop())
-        if cur is None or cur.name in out:
-            continue
-        out.add(cur.name)
-        if cur.op in ("linear", "grouped_matmul") and cur.name != start:
-            continue
-        stack.extend(i for i in cur.inputs if i in names)
-    return out
+    flow = Dataflow(nodes)
+    return flow.upstream(start, stop=lambda n: flow.op(n) in _MATMULS)
 
 
 def _reaches_any(node: Node, targets: set[str], nodes: list[Node]) -> bool:
-    users: dict[str, list[Node]] = defaultdict(list)
-    for n in nodes:
-        for i in n.inputs:
-            users[i].append(n)
-    seen, stack = set(), [node.name]
-    while stack:
-        for u in users.get(stack.pop(), ()):
-            if u.name in targets:
-                return True
-            if u.name not in seen and u.op not in ("linear", "grouped_matmul"):
-                seen.add(u.name)
-                stack.append(u.name)
-    return False
+    """Whether ``node``'s output reaches one of ``targets`` within ``nodes`` without passing
+    through another matmul."""
+    flow = Dataflow(nodes)
+    return bool(flow.downstream(node.name, stop=lambda n: flow.op(n) in _MATMULS) & targets)
+
+
+_MATMULS = ("linear", "grouped_matmul")
 
 
 def _layer_ops(nodes: list[Node], tokens: int = 0) -> tuple[list[FusedOp], int]:

@@ -61,8 +61,11 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     ``time_limit_s`` for exact). ``exact`` uses the cost model's branch decomposition
     (:mod:`shardc.search.exact_decomposed`) when ``objective`` is a
     :func:`cost_model_objective` of this space (``decompose=False`` forces the plain sweep)."""
-    from shardc.search import baselines, exact, rl
+    from shardc.search import baselines, exact
     from shardc.search.legal import LegalSampler
+
+    if policy == "rl":  # imported only when it runs (torch, gymnasium), outside the timing
+        from shardc.search import rl
 
     if policy not in POLICIES:
         raise ValueError(f"unknown search policy {policy!r} (expected one of {', '.join(POLICIES)})")

@@ -40,7 +40,11 @@ class LegalSampler:
         self.tp_mask = (world % tp) == 0  # [n_tp]
         self.ep_mask = (world % (tp[:, None] * ep[None, :])) == 0  # [n_tp, n_ep]
         prod = tp[:, None, None] * ep[None, :, None] * pp[None, None, :]
-        self.pp_mask = (world % prod) == 0  # [n_tp, n_ep, n_pp]
+        self.pp_mask = ((world % prod) == 0) & space.fixed_degrees_fit(  # [n_tp, n_ep, n_pp]
+            tp[:, None, None], ep[None, :, None], pp[None, None, :])
+        # a tp (ep) value is legal only if some ep (pp) completes it (matters for a fixed dp)
+        self.ep_mask &= self.pp_mask.any(axis=2)
+        self.tp_mask &= self.ep_mask.any(axis=1)
         self.op_mask = space.op_mask_by_tp  # [n_tp, n_slots, 3]
         self.max_n = int(self.nvec.max())
         self._factor_moves = self._factor_move_table(tp, ep, pp, world)

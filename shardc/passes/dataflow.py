@@ -1,0 +1,64 @@
+"""The IR's dataflow as a networkx graph, for the passes' reachability questions.
+
+The fused-op and layer passes ask questions like "which nodes does this linear's output
+reach before the next matmul?" or "which nodes feed the attention core's value input,
+back to the projection that made it?". Each is a reachability query on the producer ->
+consumer graph where the walk does not continue *through* certain nodes (they are reported,
+not expanded) and stays inside one layer: a ``networkx.subgraph_view`` that drops the
+edges leaving a stop node and the nodes outside the layer, then ``descendants`` /
+``ancestors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import networkx as nx
+
+from shardc.ir.graph import Node
+
+Predicate = Callable[[str], bool]
+
+
+class Dataflow:
+    """Producer -> consumer edges of ``nodes`` (inputs that are not among them are ignored);
+    node attributes ``op`` and ``layer``."""
+
+    def __init__(self, nodes: Iterable[Node]):
+        self.graph = nx.DiGraph()
+        nodes = list(nodes)
+        for n in nodes:
+            self.graph.add_node(n.name, op=n.op, layer=n.layer)
+        for n in nodes:
+            for i in n.inputs:
+                if i in self.graph:
+                    self.graph.add_edge(i, n.name)
+
+    def op(self, name: str) -> str:
+        return self.graph.nodes[name]["op"]
+
+    def same_layer(self, name: str) -> Predicate:
+        layer = self.graph.nodes[name]["layer"]
+        return lambda n: self.graph.nodes[n]["layer"] == layer
+
+    def downstream(self, start: str, stop: Predicate, within: Predicate | None = None) -> set[str]:
+        """Nodes reachable from ``start`` (exclusive) through nodes ``within`` admits; the walk
+        reports a node for which ``stop`` holds but does not continue past it."""
+        if start not in self.graph:
+            return set()
+        view = nx.subgraph_view(
+            self.graph,
+            filter_node=(lambda n: n == start or within(n)) if within else nx.filters.no_filter,
+            filter_edge=lambda u, v: u == start or not stop(u))
+        return nx.descendants(view, start)
+
+    def upstream(self, start: str, stop: Predicate, within: Predicate | None = None) -> set[str]:
+        """``start`` and the nodes whose output reaches it, walking backwards through nodes
+        ``within`` admits and not past a node for which ``stop`` holds (it is included)."""
+        if start not in self.graph or (within is not None and not within(start)):
+            return set()
+        view = nx.subgraph_view(
+            self.graph,
+            filter_node=(lambda n: n == start or within(n)) if within else nx.filters.no_filter,
+            filter_edge=lambda u, v: v == start or not stop(v))
+        return nx.ancestors(view, start) | {start}
