@@ -73,7 +73,10 @@ CASES = {
 VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 2}),
             ("mixtral ep2 tp2, padding mask", "mixtral ep2 tp2 megatron", {"padded": "right"}),
             ("deepseek MLA tp4, KV cache", "deepseek MLA megatron tp4", {"kv_cache": 2})]
-CLI_CASE = "llama: shardc compile --mesh 4x1 --search megatron --standalone"
+# what ``shardc compile --standalone`` writes, run as is: name -> (model file, --degrees)
+CLI_CASES = {"llama: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (LLAMA, "tp=4"),
+             "mixtral: shardc compile --mesh 4x1 --degrees ep=2,tp=2 --standalone": (
+                 MIXTRAL, "ep=2,tp=2")}
 
 
 def build(model_file: str, degrees: dict, choices: dict):
@@ -97,12 +100,14 @@ def emitted(tmp_path_factory) -> dict[str, tuple]:
         path = tmp / f"case{i}_parallelize.py"
         path.write_text(plan.code(standalone=True))
         out[name] = (plan, path)
-    cli_out = tmp / "cli"
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", LLAMA, "--mesh", "4x1",
-                        "--search", "megatron", "--standalone", "--quiet", "--out",
-                        str(cli_out)], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    out[CLI_CASE] = (None, cli_out / "parallelize.py")
+    for i, (name, (model, degrees)) in enumerate(CLI_CASES.items()):
+        cli_out = tmp / f"cli{i}"
+        r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", model, "--mesh", "4x1",
+                            "--degrees", degrees, "--search", "megatron", "--standalone",
+                            "--quiet", "--out", str(cli_out)], capture_output=True, text=True,
+                           cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        out[name] = (None, cli_out / "parallelize.py")
     return out
 
 
@@ -110,7 +115,7 @@ def emitted(tmp_path_factory) -> dict[str, tuple]:
 def gloo_results(emitted):
     ruff_clean([str(p) for _, p in emitted.values()])
     model_of = {name: CASES[name][0] for name in CASES}
-    model_of[CLI_CASE] = LLAMA
+    model_of.update({name: model for name, (model, _) in CLI_CASES.items()})
     suites = []
     for model in (LLAMA, MIXTRAL, DEEPSEEK):
         cases = [Case(n, {}, {}, None, code=str(emitted[n][1]))
@@ -121,7 +126,7 @@ def gloo_results(emitted):
     return {r["name"]: r for r in run_suites(suites, world=4)}
 
 
-@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), CLI_CASE])
+@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), *CLI_CASES])
 def test_standalone_logits_match_unsharded(gloo_results, name):
     r = gloo_results[name]
     assert r["error"] is None, r["error"]
@@ -156,7 +161,7 @@ def _plan_entries(src: str) -> list[dict[str, str]]:
 
 
 def test_megatron_file_reads_as_colwise_rowwise_plans(emitted):
-    src = emitted["llama megatron tp4"][1].read_text()
+    src = emitted[next(iter(CLI_CASES))][1].read_text()
     layer, top = _plan_entries(src)
     assert layer == {"self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
                      "self_attn.v_proj": "ColwiseParallel", "self_attn.o_proj": "RowwiseParallel",
@@ -166,7 +171,7 @@ def test_megatron_file_reads_as_colwise_rowwise_plans(emitted):
     # the collective each entry implies, from the contract's walk
     assert "'self_attn.o_proj': RowwiseParallel(),  # out_proj row: all_reduce P->R" in src
     assert "# lm_head col: all_gather S(1)->R" in src
-    moe = emitted["mixtral ep2 tp2 megatron"][1].read_text()
+    moe = emitted[list(CLI_CASES)[1]][1].read_text()
     assert "ExpertParallel(tp_split=True)" in moe and "uneven all_to_all_single" in moe
 
 
