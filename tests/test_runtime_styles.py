@@ -10,7 +10,9 @@ torch's own parallel API (``parallelize_module`` with ``ColwiseParallel`` /
   tensor or an absent mesh dim is ``R``) and local shape equal plan.json's ``params`` rows;
 * imports: the emitted file imports only torch, ``import shardc.runtime`` pulls no
   transformers / onnx / gymnasium / matplotlib / shardc.backends;
-* plans the path does not cover yet are refused (exit 2) naming what.
+* plans the path does not cover yet are refused (exit 2) naming what;
+* families from their config.json (Qwen2.5 biases, Qwen3-MoE q/k norms, Gemma-2, DeepSeek-V2-
+  Lite MLA without q_lora) run the model's own attention and routing under the styles.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ CASES = {
         _with(_with(DS_MEGATRON, D, **BATCH_ATTN), M, shared_ffn1="rep", shared_ffn2="rep",
               **BATCH_ATTN)),
 }
+# families from their config.json (tiny variants): name -> (directory, degrees); Megatron
+FAMILIES = {"qwen2.5 (q/k/v biases) tp2 dp2": ("qwen2_5_7b", {"tp": 2, "dp": 2}),
+            "qwen3-moe (per-head q/k norms) tp2 ep2": ("qwen3_30b_a3b", {"tp": 2, "ep": 2}),
+            "gemma-2 (softcapping, sliding window, tied lm_head) tp2 dp2": (
+                "gemma2_9b", {"tp": 2, "dp": 2}),
+            "deepseek-v2-lite (MLA without q_lora, greedy routing) tp2 ep2": (
+                "deepseek_v2_lite", {"tp": 2, "ep": 2})}
+MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row",
+            "router": "rep", "expert_ffn1": "col", "expert_ffn2": "row", "shared_ffn1": "col",
+            "shared_ffn2": "row"}
 # (case name, base case, Case options): the same emitted file under a cache / padding
 VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 2}),
             ("mixtral ep2 tp2, padding mask", "mixtral ep2 tp2 megatron", {"padded": "right"}),
@@ -79,15 +91,25 @@ CLI_CASES = {"llama: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (LL
                  MIXTRAL, "ep=2,tp=2")}
 
 
-def build(model_file: str, degrees: dict, choices: dict):
+def build(model_file: str, degrees: dict, choices: dict | None):
+    """plan of the tiny graph of ``model_file`` (``choices`` None: Megatron's for every op)."""
     from shardc.backends.apply import strategy_from_names
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Mesh, Workload
     from shardc.plan import build_plan
 
     graph = load_graph(model_file, tiny=True)
+    if choices is None:
+        choices = {"embedding": "vocab", "lm_head": "col"}
+        choices.update({f"{k.name}.{o.name}": MEGATRON[o.name] for k in graph.layer_kinds
+                        for o in k.ops if o.name in MEGATRON})
     st = strategy_from_names(degrees, choices, 8)
-    return build_plan(graph, st, Mesh(st.degrees.world, 1), "h100", Workload(batch=8))
+    return build_plan(graph, st, Mesh(st.degrees.world, 1), "h100",
+                      Workload(batch=8, context=512))
+
+
+def config_file(directory: str) -> str:
+    return str(ROOT / "examples" / "configs" / directory / "config.json")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +120,11 @@ def emitted(tmp_path_factory) -> dict[str, tuple]:
     for i, (name, (model, degrees, choices)) in enumerate(CASES.items()):
         plan = build(model, degrees, choices)
         path = tmp / f"case{i}_parallelize.py"
+        path.write_text(plan.code(standalone=True))
+        out[name] = (plan, path)
+    for i, (name, (directory, degrees)) in enumerate(FAMILIES.items()):
+        path = tmp / f"family{i}_parallelize.py"
+        plan = build(config_file(directory), degrees, None)
         path.write_text(plan.code(standalone=True))
         out[name] = (plan, path)
     for i, (name, (model, degrees)) in enumerate(CLI_CASES.items()):
@@ -119,14 +146,17 @@ def gloo_results(emitted):
     suites = []
     for model in (LLAMA, MIXTRAL, DEEPSEEK):
         cases = [Case(n, {}, {}, None, code=str(emitted[n][1]))
-                 for n in emitted if model_of[n] == model]
+                 for n in emitted if model_of.get(n) == model]
         cases += [Case(n, {}, {}, None, code=str(emitted[base][1]), **opts)
                   for n, base, opts in VARIANTS if model_of[base] == model]
         suites.append((model, cases))
+    for name, (directory, degrees) in FAMILIES.items():
+        suites.append((config_file(directory),
+                       [Case(name, {}, {}, None, code=str(emitted[name][1]))], degrees))
     return {r["name"]: r for r in run_suites(suites, world=4)}
 
 
-@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), *CLI_CASES])
+@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), *CLI_CASES, *FAMILIES])
 def test_standalone_logits_match_unsharded(gloo_results, name):
     r = gloo_results[name]
     assert r["error"] is None, r["error"]

@@ -34,8 +34,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|gate_up_proj|dow
 GLOBAL_PARAMS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 
 
-COVERED = ("covered: HF Llama-style decoders -- Llama, Qwen2/3, Mistral, Gemma-2 -- with dense "
-           "or Mixtral/Qwen-MoE-style experts, DeepSeek-V2/V3 MLA with shared experts")
+COVERED = ("covered: HF Llama-style decoders (Llama, Qwen2/3, Gemma-2) with a dense MLP or "
+           "Mixtral / Qwen-MoE experts, DeepSeek-V2/V3 MLA with shared experts")
 
 
 class NotCovered(ValueError):
