@@ -297,3 +297,15 @@ def test_layer_kinds_of_deepseek_plan_cover_both_kinds(emitted):
     src = path.read_text()
     assert src.count("for i in LAYER_KINDS[") == 2 and "'self_attn.kv_b_proj': ColwiseParallel()" in src
     assert json.loads(json.dumps(plan.to_dict()))  # strict JSON round trip
+
+
+def test_standalone_onnx_is_refused_before_anything(tmp_path, capsys):
+    from shardc.cli import main
+
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"not read")
+    rc = main(["compile", str(onnx), "--mesh", "2x1", "--standalone", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == ("shardc: error: --standalone: an ONNX model gets no parallelize.py "
+                               "(no torch module)\n")
+    assert not (tmp_path / "o").exists()

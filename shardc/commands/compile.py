@@ -115,6 +115,8 @@ def run(args) -> int:
     from shardc.backends.reports import graph_dot, graph_table, workload_note, write_outputs
 
     model_path = Path(args.model)
+    if args.standalone and model_path.suffix.lower() == ".onnx":
+        raise InputError("--standalone: an ONNX model gets no parallelize.py (no torch module)")
     workload = workload_from_args(args)
     fixed = parse_degree_fields(args.degrees) if args.degrees else None  # bad input before tracing
     progress, bar = _progress_bar(args.budget, args.quiet)
@@ -135,10 +137,8 @@ def run(args) -> int:
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome, plan),
     }
-    if from_onnx and getattr(args, "standalone", False):
-        raise InputError("--standalone: an ONNX model gets no parallelize.py (no torch module)")
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
-        files["parallelize.py"] = plan.code(standalone=getattr(args, "standalone", False))
+        files["parallelize.py"] = plan.code(standalone=args.standalone)
     written = write_outputs(out, files)
     print(summary_table(plan))
     print(f"wrote {', '.join(p.name for p in written)} to {out}/")
