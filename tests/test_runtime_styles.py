@@ -244,17 +244,47 @@ def test_parameter_placements_equal_plan_rows(emitted, name):
     try:
         model = _build(CASES[name][0], 8, 8)[0]
         code.parallelize(model)
-        dims = plan.strategy().degrees.spmd_dims()
-        rows = {r["fqn"]: r for r in plan.params}
-        params = dict(model.named_parameters())
-        assert set(params) == set(rows)
-        sharded = 0
-        for fqn, p in params.items():
-            assert _spelled(p, dims) == rows[fqn]["placements"], fqn
-            local = p.to_local() if isinstance(p, DTensor) else p
-            assert list(local.shape) == rows[fqn]["local_shape"], fqn
-            sharded += "S(" in str(rows[fqn]["placements"])
-        assert sharded > 0
+        assert_placements_match(model, plan)
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_placements_match(model, plan) -> None:
+    """Every parameter's placements and local shape == its plan.json row; some are sharded."""
+    dims = plan.strategy().degrees.spmd_dims()
+    rows = {r["fqn"]: r for r in plan.params}
+    params = dict(model.named_parameters())
+    assert set(params) == set(rows)
+    sharded = 0
+    for fqn, p in params.items():
+        assert _spelled(p, dims) == rows[fqn]["placements"], fqn
+        local = p.to_local() if isinstance(p, DTensor) else p
+        assert list(local.shape) == rows[fqn]["local_shape"], fqn
+        sharded += "S(" in str(rows[fqn]["placements"])
+    assert sharded > 0
+
+
+def test_apply_plan_driver_places_like_the_plan():
+    """``shardc.runtime.apply_plan`` with a dict of styles (Megatron on ep=2 x tp=2)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build
+    from shardc.runtime import ExpertParallel, apply_plan, make_mesh
+
+    plan = build(MIXTRAL, {"ep": 2, "tp": 2}, MOE)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = _build(MIXTRAL, 8, 8)[0]
+        attention = {f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"}
+        styles = {"layer_kinds": plan.layer_kind_map(),
+                  "layers": {M: {**attention, "self_attn.o_proj": RowwiseParallel()}},
+                  "experts": {M: ExpertParallel(tp_split=True)},
+                  "model": {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                            "lm_head": ColwiseParallel(output_layouts=Replicate())}}
+        apply_plan(model, styles, make_mesh((2, 2), ("ep", "tp")))
+        assert_placements_match(model, plan)
     finally:
         dist.destroy_process_group()
 
