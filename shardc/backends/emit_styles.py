@@ -30,6 +30,7 @@ RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
 # names the generated part may use, and where they come from
 _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "RowwiseParallel": "torch.distributed.tensor.parallel",
+                "PrepareModuleInput": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
 _RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "ReplicateParallel", "decoder_layers",
@@ -129,7 +130,12 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         body.append("    }, src_data_rank=None)")
     body.append(_comment("dp x ep: each rank serves its slice of the batch (flattened mesh); "
                          "logits all-gathered"))
-    body.append("    return install_batch_split(model, world_mesh)")
+    if plan.strategy().degrees.sp > 1:
+        body.append(_comment("sp: the model builds its attention mask from a row shard, so a "
+                             "padding mask is refused"))
+        body.append("    return install_batch_split(model, world_mesh, padding_ok=False)")
+    else:
+        body.append("    return install_batch_split(model, world_mesh)")
     code_text = "\n".join(body)
     data = "\n".join([f"MESH_SHAPE = {_literal(shape)}",
                       f"MESH_DIM_NAMES = {_literal(dim_names)}",

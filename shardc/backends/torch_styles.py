@@ -16,9 +16,12 @@ Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): HF cau
 decoder layers are ``model.layers.<i>`` with Llama-style attention (``q/k/v/o_proj``, per-head
 q/k norms, biases) or DeepSeek MLA (``q_a/q_b`` or ``q_proj``, ``kv_a_proj_with_mqa``,
 ``kv_b_proj``), a dense gated MLP or an HF sparse-MoE block (``mlp.gate`` + stacked
-``mlp.experts``, optional ``shared_experts``); pp = 1, no sequence parallelism; a router of
-choice ``rep``; experts ``col``/``row`` or ``rep``/``rep``; batch-split attention with
-``rep`` q/k/v (the model's own attention forward then sees consistent rows).
+``mlp.experts``, optional ``shared_experts``); pp = 1; a router of choice ``rep``; experts
+``col``/``row`` (not under sequence parallelism) or ``rep``/``rep``; batch-split attention
+with ``rep`` q/k/v; under sequence parallelism the rows the attention module receives must
+be the rows its core computes on (the model's own attention forward derives shapes from
+its input). A repair before a branch's first op is made once at the branch module
+(``PrepareModuleInput`` on ``self_attn`` / ``mlp`` / ``mlp.shared_experts``).
 """
 
 from __future__ import annotations
@@ -165,8 +168,6 @@ def style_plan(plan) -> StylePlan:
     deg = st.degrees
     if deg.pp > 1:
         raise NotCovered(f"pp={deg.pp} (pipeline stages) is not covered yet")
-    if deg.sp > 1:
-        raise NotCovered("sequence parallelism (sp) is not covered yet")
     others = sorted({str(p["fqn"]) for p in plan.params
                      if not _LAYER.match(str(p["fqn"]))} - GLOBAL_PARAMS)
     if others:
@@ -201,6 +202,9 @@ def style_plan(plan) -> StylePlan:
                 raise NotCovered(f"{kind}: experts {w.steps[0].choice.name}/"
                                  f"{w.steps[1].choice.name} (covered: col/row, rep/rep)")
             split = tp > 1 and (f1, f2) == (0, 1)
+            if split and res != "R":
+                raise NotCovered(f"{kind}: col/row experts under sequence parallelism "
+                                 "(covered: rep/rep)")
             what = ("counts exchanged, then uneven all_to_all_single dispatch + combine "
                     f"over ep={deg.ep}") if deg.ep > 1 else "no ep exchange"
             if split:
@@ -222,6 +226,38 @@ def style_plan(plan) -> StylePlan:
     return StylePlan(kinds, model_entries, tp, any_experts and (deg.ep > 1 or tp > 1))
 
 
+# the module each branch's ops live in: a repair before the branch's first op is made once
+# there (torch's PrepareModuleInput), so the module's own code sees the rows it computes on
+BRANCH_MODULE = {"attention": "self_attn", "mlp": "mlp", "shared_experts": "mlp.shared_experts"}
+
+
+def _rows(p: str) -> str:
+    return "split" if p == "S(0)" else "whole"
+
+
+def _prepare(kp: KindPlan, branch: str, src: str, want: str, first_op: str) -> str:
+    """Entry moving the branch module's input from ``src`` to ``want``; returns the
+    placement the first op then receives. With a replicated residual a feature split is
+    left to the op's own style (a local slice) and a row split is BatchSplitAttention's."""
+    if src == want or src == "R" and want == "S(1)":
+        return src
+    if src == "R" and want == "S(0)":
+        kp.entries.append(Entry(BRANCH_MODULE[branch], "BatchSplitAttention()",
+                                "attn_core batch: R->S(0) rows, a local slice"))
+        return want
+    coll = redistribution(src, want) or "no collective"
+    note = f"{coll} {src}->{want} before {first_op}, once for the branch"
+    if branch == "attention":  # HF decoder layers pass hidden_states by keyword
+        code = (f"PrepareModuleInput(input_kwarg_layouts={{'hidden_states': {LAYOUT[src]}}}, "
+                f"desired_input_kwarg_layouts={{'hidden_states': {LAYOUT[want]}}}, "
+                "use_local_output=True)")
+    else:
+        code = (f"PrepareModuleInput(input_layouts=({LAYOUT[src]},), "
+                f"desired_input_layouts=({LAYOUT[want]},), use_local_output=True)")
+    kp.entries.append(Entry(BRANCH_MODULE[branch], code, note))
+    return want
+
+
 def _branch_entries(kp: KindPlan, branch: str, w, roles, res, params, layer) -> None:
     steps = {s.op: s for s in w.steps}
     if branch == "router":
@@ -233,23 +269,27 @@ def _branch_entries(kp: KindPlan, branch: str, w, roles, res, params, layer) -> 
         return
     if branch == "attention":
         qkv, core, out = steps["qkv"], steps["attn_core"], steps["out_proj"]
-        if core.choice.name == "batch":
-            if qkv.choice.name != "rep":
-                raise NotCovered(f"{kp.kind}: batch-split attention after qkv "
-                                 f"{qkv.choice.name} (covered: rep)")
-            kp.entries.append(Entry("self_attn", "BatchSplitAttention()",
-                                    f"attn_core batch: {res}->S(0) rows, a local slice"))
-        else:
+        batch = core.choice.name == "batch"
+        if batch and qkv.choice.name != "rep":
+            raise NotCovered(f"{kp.kind}: batch-split attention after qkv "
+                             f"{qkv.choice.name} (covered: rep)")
+        attn_in = "S(0)" if batch else qkv.need
+        if _rows(attn_in) != _rows(core.need):
+            raise NotCovered(f"{kp.kind}: qkv {qkv.choice.name} under sequence parallelism "
+                             f"before attention by {core.choice.name}")
+        if "mla_down" in roles and res != "R" and attn_in == "S(1)":
+            raise NotCovered(f"{kp.kind}: MLA qkv row under sequence parallelism")
+        src = _prepare(kp, branch, res, attn_in, "qkv")
+        if not batch:
             split_norm = [n for n in roles.get("qk_norm_width", [])
                           if int(n) == _qkv_width(params, layer)]
             if split_norm and qkv.after == "S(1)":
                 raise NotCovered(f"{kp.kind}: q/k norms over the whole projection under a "
                                  "heads split are not covered")
-            for mod in roles.get("qkv", []):
-                code = _style("qkv", qkv, res)
-                if code:
-                    kp.entries.append(Entry(mod, code, f"qkv {qkv.choice.name}: " + _collectives(
-                        res, qkv.need, qkv.produced, qkv.after)))
+            code = _style("qkv", qkv, src)
+            for mod in roles.get("qkv", []) if code else []:
+                kp.entries.append(Entry(mod, code, f"qkv {qkv.choice.name}: " + _collectives(
+                    src, qkv.need, qkv.produced, qkv.after)))
         code = _style("out_proj", out, core.produced)
         if code:
             kp.entries.append(Entry("self_attn.o_proj", code, f"out_proj {out.choice.name}: "
@@ -257,12 +297,11 @@ def _branch_entries(kp: KindPlan, branch: str, w, roles, res, params, layer) -> 
                                                    out.after)))
         return
     first, second = BRANCHES[branch]
-    src = res
+    src = _prepare(kp, branch, res, steps[first].need, first)
     for op in (first, second):
         s = steps[op]
         code = _style(op, s, src)
-        for mod in roles.get(op, []):
-            if code:
-                kp.entries.append(Entry(mod, code, f"{op} {s.choice.name}: " + _collectives(
-                    src, s.need, s.produced, s.after)))
+        for mod in roles.get(op, []) if code else []:
+            kp.entries.append(Entry(mod, code, f"{op} {s.choice.name}: " + _collectives(
+                src, s.need, s.produced, s.after)))
         src = s.after

@@ -49,10 +49,20 @@ def batch_mesh(world_mesh):
     return mesh._flatten("dp_ep")
 
 
-def install_batch_split(model: nn.Module, world_mesh) -> nn.Module:
+def install_batch_split(model: nn.Module, world_mesh, padding_ok: bool = True) -> nn.Module:
     """Slice the global batch (``input_ids`` and a 2-D ``attention_mask`` / ``position_ids``)
     to this rank's rows over dp x ep on the way in, all-gather the logits on the way out:
-    the model still maps the global batch to global logits."""
+    the model still maps the global batch to global logits. ``padding_ok=False`` (sequence
+    parallelism: the model would build its attention mask from a row shard) refuses an
+    ``attention_mask`` that hides any token."""
+    if not padding_ok:
+        def refuse(mod, args, kwargs):
+            mask = kwargs.get("attention_mask")
+            if mask is not None and not bool(mask.all()):
+                raise ValueError("a padding attention_mask under sequence parallelism is not "
+                                 "supported by this parallelize.py (shardc's default one runs it)")
+
+        model.register_forward_pre_hook(refuse, with_kwargs=True)
     mesh = batch_mesh(world_mesh)
     if mesh is None:
         return model
