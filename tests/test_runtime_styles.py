@@ -23,9 +23,11 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from test_backend_gloo import (
     DEEPSEEK,
@@ -365,3 +367,54 @@ def test_standalone_onnx_is_refused_before_anything(tmp_path, capsys):
     assert rc == 2 and err == ("shardc: error: --standalone: an ONNX model gets no parallelize.py "
                                "(no torch module)\n")
     assert not (tmp_path / "o").exists()
+
+
+def _walk_counts(plan) -> Counter:
+    """Collectives of one forward as the cost model charges them (contract walk)."""
+    from shardc.ir.contract import BRANCHES, branch_collectives
+    from shardc.ir.strategy import residual_placement
+
+    st = plan.strategy()
+    res = residual_placement(st.degrees)
+    want: Counter = Counter()
+    for kind, layers in plan.layer_kind_map().items():
+        for branch, ops in BRANCHES.items():
+            if all(f"{kind}.{o}" in st.choices for o in ops):
+                cs = [st.choices[f"{kind}.{o}"] for o in ops]
+                for *_, coll in branch_collectives(ops, cs, res, res):
+                    want[coll] += len(layers)
+    for op, start, end in (("embedding", "R", res), ("lm_head", res, "R")):
+        for *_, coll in branch_collectives((op,), [st.choices[op]], start, end):
+            want[coll] += 1
+    return want
+
+
+@pytest.mark.parametrize("name", ["llama megatron tp4", "llama megatron + sequence parallel tp4",
+                                  "llama batch attention, hidden embedding, row lm_head tp4"])
+def test_collectives_run_are_the_walks(emitted, name):
+    """On 4 fake ranks one forward of the standalone model issues exactly the collectives
+    the cost model charges (CommDebugMode): under sequence parallelism one all-gather per
+    branch, not one per projection."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build
+
+    names = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+    plan, path = emitted[name]
+    spec = importlib.util.spec_from_file_location(f"standalone_c{abs(hash(name))}", path)
+    code = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model, ids = _build(CASES[name][0], 8, 8)
+        model = code.parallelize(model)
+        with torch.no_grad(), CommDebugMode() as cm:
+            model(ids)
+        got: Counter = Counter()
+        for op, n in cm.get_comm_counts().items():
+            got[names[str(op).split(".")[-1].split("'")[0]]] += n
+    finally:
+        dist.destroy_process_group()
+    assert got == _walk_counts(plan) and sum(got.values()) > 0, got
