@@ -96,6 +96,9 @@ FAMILIES = {"qwen2.5 (q/k/v biases) tp2 dp2": ("qwen2_5_7b", {"tp": 2, "dp": 2})
 MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row",
             "router": "rep", "expert_ffn1": "col", "expert_ffn2": "row", "shared_ffn1": "col",
             "shared_ffn2": "row"}
+# covered plans whose default parallelize.py (importing shardc.runtime) runs too
+DEFAULT_FILE_CASES = ["llama megatron tp4", "mixtral ep2 tp2 megatron", "deepseek MLA megatron tp4",
+                      "llama megatron + sequence parallel tp4"]
 # (case name, base case, Case options): the same emitted file under a cache / padding
 VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 2}),
             ("mixtral ep2 tp2, padding mask", "mixtral ep2 tp2 megatron", {"padded": "right"}),
@@ -142,6 +145,10 @@ def emitted(tmp_path_factory) -> dict[str, tuple]:
         path = tmp / f"case{i}_parallelize.py"
         path.write_text(plan.code(standalone=True))
         out[name] = (plan, path)
+    for name in DEFAULT_FILE_CASES:  # the default parallelize.py: the same plans, shardc.runtime
+        path = tmp / f"default{len(out)}_parallelize.py"
+        path.write_text(out[name][0].code())
+        out[f"{name} (default file)"] = (out[name][0], path)
     for i, (name, (directory, degrees)) in enumerate(FAMILIES.items()):
         path = tmp / f"family{i}_parallelize.py"
         plan = build(config_file(directory), degrees, None)
@@ -162,6 +169,7 @@ def emitted(tmp_path_factory) -> dict[str, tuple]:
 def gloo_results(emitted):
     ruff_clean([str(p) for _, p in emitted.values()])
     model_of = {name: CASES[name][0] for name in CASES}
+    model_of.update({f"{n} (default file)": CASES[n][0] for n in DEFAULT_FILE_CASES})
     model_of.update({name: model for name, (model, _) in CLI_CASES.items()})
     suites = []
     for model in (LLAMA, MIXTRAL, DEEPSEEK):
@@ -176,7 +184,8 @@ def gloo_results(emitted):
     return {r["name"]: r for r in run_suites(suites, world=4)}
 
 
-@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), *CLI_CASES, *FAMILIES])
+@pytest.mark.parametrize("name", [*CASES, *(v[0] for v in VARIANTS), *CLI_CASES, *FAMILIES,
+                                  *(f"{n} (default file)" for n in DEFAULT_FILE_CASES)])
 def test_standalone_logits_match_unsharded(gloo_results, name):
     r = gloo_results[name]
     if "(refused)" in name:
@@ -199,6 +208,10 @@ def _imported_modules(src: str) -> set[str]:
 def test_standalone_imports_only_torch(emitted):
     for name, (_, path) in emitted.items():
         mods = _imported_modules(path.read_text())
+        if name.endswith("(default file)"):  # torch + the torch-only runtime
+            assert mods == {"torch", "torch.distributed.device_mesh", "shardc.runtime"}, mods
+            assert "parallelize_module(layers[i], tp_mesh, {" in path.read_text()
+            continue
         assert {m.split(".")[0] for m in mods} <= {"torch", "__future__"}, (name, mods)
 
 
@@ -325,7 +338,7 @@ def test_uncovered_plan_is_refused_naming_what(degrees, choices, what):
     plan = build(LLAMA, degrees, choices)
     with pytest.raises(InputError, match=what):
         plan.code(standalone=True)
-    assert "ModelSharder" in plan.code()  # the default file still covers it
+    assert "ModelSharder" in plan.code()  # the default file of today still covers it
 
 
 def test_uncovered_router_and_family_refused(tmp_path):

@@ -149,16 +149,24 @@ def doc_fields(plan) -> dict:
 
 def emit_parallelize(plan, standalone: bool = False) -> str:
     """``parallelize.py`` source for a :class:`shardc.plan.Plan` (ruff-clean, ASCII).
-    ``standalone``: the torch-style file importing only torch
-    (:func:`shardc.backends.emit_styles.emit_style_parallelize`; raises InputError for a
-    plan that path does not cover yet).
+
+    A plan the torch-style runtime covers gets per-kind ``parallelize_module`` plans
+    (:func:`shardc.backends.emit_styles.emit_style_parallelize`) importing
+    ``shardc.runtime``, or, ``standalone``, with the runtime inlined (imports only torch);
+    any other plan gets the :class:`~shardc.backends.apply.ModelSharder` file below, and
+    ``standalone`` raises InputError naming what is not covered yet.
 
     Names and numbers from the plan enter only through :func:`one_line` (docstring and
     comments) and :func:`_literal` (code); see the module doc."""
-    if standalone:
-        from shardc.backends.emit_styles import emit_style_parallelize
+    from shardc.backends.emit_styles import emit_style_parallelize
+    from shardc.backends.torch_styles import NotCovered
+    from shardc.errors import InputError
 
-        return emit_style_parallelize(plan, inline=True)
+    try:
+        return emit_style_parallelize(plan, inline=standalone)
+    except NotCovered as e:
+        if standalone:
+            raise InputError(f"--standalone: {e} (the default parallelize.py covers it)") from None
     st = plan.strategy()
     deg = st.degrees
     res = residual_placement(deg)

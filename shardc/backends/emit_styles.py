@@ -23,8 +23,7 @@ import ast
 from pathlib import Path
 
 from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
-from shardc.backends.torch_styles import NotCovered, style_plan
-from shardc.errors import InputError
+from shardc.backends.torch_styles import style_plan
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
 # names the generated part may use, and where they come from
@@ -34,7 +33,7 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
 _RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "ReplicateParallel", "decoder_layers",
-                  "install_batch_split", "make_mesh", "submesh")
+                  "install_batch_split", "submesh")
 _STANDALONE_NOTE = ("\n\nStandalone: imports only torch; shardc's few ParallelStyles (what torch "
                     "lacks) are\ninlined below, ahead of the plan.")
 
@@ -91,18 +90,18 @@ def _plan_dict(entries, indent: int) -> list[str]:
 
 def emit_style_parallelize(plan, inline: bool = True) -> str:
     """``parallelize.py`` of ``plan`` on torch's parallel API (see the module docstring).
-    Raises InputError naming what the torch-style runtime does not cover yet."""
-    try:
-        sp = style_plan(plan)
-    except NotCovered as e:
-        raise InputError(f"--standalone: {e} (the default parallelize.py covers it)") from None
+    Raises :class:`shardc.backends.torch_styles.NotCovered` naming what the torch-style
+    runtime does not cover yet."""
+    sp = style_plan(plan)
     kinds = plan.layer_kind_map()
     shape = tuple(int(s) for s in plan.logical_mesh["shape"])
     dim_names = tuple(str(n) for n in plan.logical_mesh["dim_names"])
     body = ["def parallelize(model, world_mesh=None):",
             '    """Place every parameter of ``model`` per the plan; returns the model to call."""',
             "    if world_mesh is None:",
-            "        world_mesh = make_mesh(MESH_SHAPE, MESH_DIM_NAMES)"]
+            '        device = "cuda" if torch.cuda.is_available() else "cpu"',
+            "        world_mesh = init_device_mesh(device, MESH_SHAPE, "
+            "mesh_dim_names=MESH_DIM_NAMES)"]
     if sp.tp > 1:
         body.append("    tp_mesh = submesh(world_mesh, ('tp',))")
     if sp.expert_mesh:
@@ -137,24 +136,29 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     else:
         body.append("    return install_batch_split(model, world_mesh)")
     code_text = "\n".join(body)
+    st = plan.strategy()
+    # the same six data assignments as the default file's (tests/test_security.py)
     data = "\n".join([f"MESH_SHAPE = {_literal(shape)}",
                       f"MESH_DIM_NAMES = {_literal(dim_names)}",
-                      f"DEGREES = {_literal(plan.strategy().degrees.as_dict())}",
-                      f"LAYER_KINDS = {_literal(_ranges(kinds))}"])
+                      f"DEGREES = {_literal(st.degrees.as_dict())}",
+                      f"BATCH = {_literal(int(st.batch))}",
+                      f"LAYER_KINDS = {_literal(_ranges(kinds))}",
+                      f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"])
     used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if n + "(" in code_text}
-    straight: set[str] = set()
-    froms: dict[str, set[str]] = {}
-    for n in used & set(_TORCH_NAMES):
-        froms.setdefault(_TORCH_NAMES[n], set()).add(n)
+    straight: set[str] = {"torch"}
+    froms: dict[str, set[str]] = {"torch.distributed.device_mesh": {"init_device_mesh"}}
     runtime = ""
     if inline:
+        for n in used & set(_TORCH_NAMES):
+            froms.setdefault(_TORCH_NAMES[n], set()).add(n)
         runtime = "\n\n" + _runtime_sources(straight, froms)
-    else:
-        froms["shardc.runtime"] = used & set(_RUNTIME_NAMES)
+    else:  # torch's styles and placements too, re-exported by shardc.runtime: one import
+        froms["shardc.runtime"] = used
     third = {m: ns for m, ns in froms.items() if not m.startswith("shardc")}
     imports = _import_block(straight, third)
     if "shardc.runtime" in froms:
         imports += "\n\n" + _import_block(set(), {"shardc.runtime": froms["shardc.runtime"]})
     doc = _DOC.format(**doc_fields(plan), standalone_note=_STANDALONE_NOTE if inline else "")
     future = "\nfrom __future__ import annotations\n" if inline else ""
-    return (f"{doc}{future}\n{imports}{runtime}\n\n\n{data}\n\n\n{code_text}\n")
+    gap = "\n\n\n" if inline else "\n\n"  # isort: one blank line after imports, two after defs
+    return (f"{doc}{future}\n{imports}{runtime}{gap}{data}\n\n\n{code_text}\n")

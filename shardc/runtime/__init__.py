@@ -1,12 +1,28 @@
 """shardc's torch-only runtime: the ParallelStyles torch lacks and the driver the emitted
 ``parallelize.py`` calls. Imports torch and the standard library only (no transformers,
 no shardc compiler modules), so serving needs nothing else; ``shardc compile
---standalone`` inlines :data:`SOURCES` into the emitted file."""
+--standalone`` inlines :data:`SOURCES` into the emitted file. torch's own styles and
+placements are re-exported, so an emitted file takes its whole vocabulary from here."""
 
-from shardc.runtime.apply import apply_plan, install_batch_split, make_mesh, submesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from shardc.runtime.apply import (
+    apply_plan,
+    decoder_layers,
+    install_batch_split,
+    make_mesh,
+    submesh,
+)
 from shardc.runtime.styles import BatchSplitAttention, ExpertParallel, ReplicateParallel
 
 SOURCES = ("styles.py", "apply.py")  # inlined in this order by ``--standalone``
 
-__all__ = ["BatchSplitAttention", "ExpertParallel", "ReplicateParallel", "apply_plan",
-           "install_batch_split", "make_mesh", "submesh", "SOURCES"]
+__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "PrepareModuleInput",
+           "Replicate", "ReplicateParallel", "RowwiseParallel", "SOURCES", "Shard", "apply_plan",
+           "decoder_layers", "install_batch_split", "make_mesh", "parallelize_module", "submesh"]
