@@ -431,3 +431,45 @@ def test_collectives_run_are_the_walks(emitted, name):
     finally:
         dist.destroy_process_group()
     assert got == _walk_counts(plan) and sum(got.values()) > 0, got
+
+
+@pytest.mark.parametrize("standalone", [False, True])
+def test_hostile_names_stay_data_in_torch_style_files(tmp_path, monkeypatch, standalone):
+    """Layer-kind and model names from a hand-edited plan.json reach the torch-style file
+    only as literals and one-line comments: it parses to imports, runtime definitions,
+    literal data and ``parallelize``; importing it runs nothing; the names round-trip."""
+    from test_security import PAYLOADS, assert_inert
+
+    import shardc
+
+    plan = build(LLAMA, {"tp": 2, "dp": 2}, DENSE)
+    for i, payload in enumerate(PAYLOADS):
+        d = json.loads(json.dumps(plan.to_dict()))
+        d["model"]["name"] = d["mesh"]["hardware"] = payload
+        old = d["layer_kinds"][0]["name"]
+        d["layer_kinds"][0]["name"] = payload
+        for o in d["ops"]:
+            if o["layer_kind"] == old:
+                o["layer_kind"], o["name"] = payload, payload + o["name"][len(old):]
+        path = tmp_path / f"plan{i}.json"
+        path.write_text(json.dumps(d))
+        src = shardc.load_plan(path).code(standalone=standalone)
+        assert "parallelize_module(layers[i], tp_mesh, {" in src
+        if not standalone:
+            module = assert_inert(src, tmp_path, monkeypatch)
+        else:
+            tree = ast.parse(src)
+            kinds = {type(s).__name__ for s in tree.body}
+            assert kinds <= {"Expr", "Import", "ImportFrom", "Assign", "FunctionDef", "ClassDef"}
+            assert sum(isinstance(s, ast.Expr) for s in tree.body) == 1 and src.isascii()
+            for stmt in tree.body:
+                if isinstance(stmt, ast.Assign) and stmt.targets[0].id.isupper():
+                    assert not any(isinstance(n, ast.Call) for n in ast.walk(stmt.value))
+            gen = tmp_path / f"gen{i}.py"
+            gen.write_text(src)
+            monkeypatch.chdir(tmp_path)
+            spec = importlib.util.spec_from_file_location(f"hostile{i}", gen)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            assert not (tmp_path / "PWNED").exists()
+        assert payload in module.LAYER_KINDS and payload in module.__doc__
