@@ -106,6 +106,9 @@ VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 
             ("llama sp tp4, padding mask (refused)", "llama megatron + sequence parallel tp4",
              {"padded": "left"}),
             ("llama sp tp4, KV cache", "llama megatron + sequence parallel tp4", {"kv_cache": 2}),
+            ("llama batch attention tp4, KV cache",
+             "llama batch attention, hidden embedding, row lm_head tp4", {"kv_cache": 2}),
+            ("mixtral ep4, KV cache", "mixtral ep4", {"kv_cache": 2}),
             ("deepseek sp batch-split MLA, padding mask",
              "deepseek ep2 tp2 batch-split MLA, shared rep", {"padded": "right"})]
 # what ``shardc compile --standalone`` writes, run as is: name -> (model file, --degrees)
@@ -346,6 +349,9 @@ def test_uncovered_router_and_family_refused(tmp_path):
 
     plan = build(MIXTRAL, {"ep": 2, "tp": 2}, _with(MOE, M, router="col"))
     with pytest.raises(InputError, match="router col"):
+        plan.code(standalone=True)
+    plan = build(MIXTRAL, {"ep": 2, "tp": 2}, _with(MOE, M, expert_ffn2="col"))
+    with pytest.raises(InputError, match="experts col/col"):
         plan.code(standalone=True)
     plan = build(MIXTRAL, {"ep": 2, "tp": 2, "sp": 2}, MOE)
     with pytest.raises(InputError, match="col/row experts under sequence parallelism"):

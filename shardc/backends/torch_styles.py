@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from shardc.ir.contract import BRANCHES, redistribution, walk
+from shardc.ir.contract import BRANCHES, CHOICE_NAMES, redistribution, walk
 from shardc.ir.strategy import residual_placement
 
 LAYOUT = {"R": "Replicate()", "S(0)": "Shard(0)", "S(1)": "Shard(-1)"}
@@ -199,8 +199,9 @@ def style_plan(plan) -> StylePlan:
             any_experts = True
             (f1, f2) = (choice("expert_ffn1"), choice("expert_ffn2"))
             if tp > 1 and (f1, f2) not in ((0, 1), (2, 2)):
-                raise NotCovered(f"{kind}: experts {w.steps[0].choice.name}/"
-                                 f"{w.steps[1].choice.name} (covered: col/row, rep/rep)")
+                names = "/".join(CHOICE_NAMES[op][c] for op, c in
+                                 (("expert_ffn1", f1), ("expert_ffn2", f2)))
+                raise NotCovered(f"{kind}: experts {names} (covered: col/row, rep/rep)")
             split = tp > 1 and (f1, f2) == (0, 1)
             if split and res != "R":
                 raise NotCovered(f"{kind}: col/row experts under sequence parallelism "

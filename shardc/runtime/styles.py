@@ -177,8 +177,8 @@ def _dispatch_compute_combine(module, x, idx, weights, ep_group, tp_group) -> to
         out = _local_experts(module, rows, counts.tolist(), tp_group)
     pairs = torch.empty_like(out)
     pairs[order] = out
-    pairs = pairs.view(t, k, -1) * weights.unsqueeze(-1).to(pairs.dtype)
-    return pairs.sum(dim=1).to(x.dtype)
+    # as HF's experts: each weighted row cast to the activation dtype, then summed
+    return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
 
 def _local_experts(module, rows: torch.Tensor, sizes: list[int], tp_group) -> torch.Tensor:
