@@ -25,7 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
@@ -129,14 +135,20 @@ class ExpertParallel(ParallelStyle):
         names = tuple(device_mesh.mesh_dim_names)
         tp = device_mesh.size(names.index("tp")) if "tp" in names else 1
         split = self.tp_split and tp > 1
-        for name, tp_dim in (("gate_up_proj", 1), ("down_proj", 2)):
-            full = getattr(module, name).detach()
-            if name == "gate_up_proj" and split:
-                full = interleave(full, 1, 2, tp)
-            placements = [Shard(0) if d == "ep" else Shard(tp_dim) if split else Replicate()
-                          for d in names]
-            dt = distribute_tensor(full, device_mesh, placements, src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(dt, requires_grad=False))
+
+        def partition(_name, mod, mesh):
+            if mod is not module:
+                return
+            for name, tp_dim in (("gate_up_proj", 1), ("down_proj", 2)):
+                full = getattr(mod, name).detach()
+                if name == "gate_up_proj" and split:
+                    full = interleave(full, 1, 2, tp)
+                placements = [Shard(0) if d == "ep" else Shard(tp_dim) if split else Replicate()
+                              for d in names]
+                dt = distribute_tensor(full, mesh, placements, src_data_rank=self.src_data_rank)
+                mod.register_parameter(name, nn.Parameter(dt, requires_grad=False))
+
+        distribute_module(module, device_mesh, partition)
         ep_group = device_mesh.get_group("ep") if "ep" in names else None
         tp_group = device_mesh.get_group("tp") if split else None
 
