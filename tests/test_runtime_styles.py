@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from shardc.backends.verify import Case, run_suites
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_DEEPSEEK = str(ROOT / "examples" / "tiny_deepseek_v3.py")  # DEEPSEEK's tiny_model()
 BATCH_ATTN = {"qkv": "rep", "attn_core": "batch", "out_proj": "col"}
 
 # name -> (model file, degrees, choices); layer kinds come from the tiny graph
@@ -114,7 +115,9 @@ VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 
 # what ``shardc compile --standalone`` writes, run as is: name -> (model file, --degrees)
 CLI_CASES = {"llama: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (LLAMA, "tp=4"),
              "mixtral: shardc compile --mesh 4x1 --degrees ep=2,tp=2 --standalone": (
-                 MIXTRAL, "ep=2,tp=2")}
+                 MIXTRAL, "ep=2,tp=2"),
+             "deepseek: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (
+                 TINY_DEEPSEEK, "tp=4")}
 
 
 def build(model_file: str, degrees: dict, choices: dict | None):
@@ -175,7 +178,7 @@ def gloo_results(emitted):
     model_of.update({f"{n} (default file)": CASES[n][0] for n in DEFAULT_FILE_CASES})
     model_of.update({name: model for name, (model, _) in CLI_CASES.items()})
     suites = []
-    for model in (LLAMA, MIXTRAL, DEEPSEEK):
+    for model in (LLAMA, MIXTRAL, DEEPSEEK, TINY_DEEPSEEK):
         cases = [Case(n, {}, {}, None, code=str(emitted[n][1]))
                  for n in emitted if model_of.get(n) == model]
         cases += [Case(n, {}, {}, None, code=str(emitted[base][1]), **opts)
@@ -240,6 +243,9 @@ def test_megatron_file_reads_as_colwise_rowwise_plans(emitted):
     # the collective each entry implies, from the contract's walk
     assert "'self_attn.o_proj': RowwiseParallel(),  # out_proj row: all_reduce P->R" in src
     assert "# lm_head col: all_gather S(1)->R" in src
+    mla = emitted[list(CLI_CASES)[2]][1].read_text()
+    assert "'self_attn.q_b_proj': ColwiseParallel(),  # qkv col: no collective" in mla
+    assert "'self_attn.kv_b_proj': ColwiseParallel()" in mla and "q_a_proj'" not in mla
     moe = emitted[list(CLI_CASES)[1]][1].read_text()
     assert "ExpertParallel(tp_split=True)" in moe and "uneven all_to_all_single" in moe
 
