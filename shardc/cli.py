@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -86,12 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("shardc: interrupted\n")
         return 130
+    except BrokenPipeError:  # `shardc ... | head`: the reader left; outputs are already written
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer cut off by its pipe
     except Exception as e:  # a bug: say so in one line unless debugging
         if debugging():
             raise
         sys.stderr.write(f"shardc: internal error: {one_line(f'{type(e).__name__}: {e}')} "
                          "(set SHARDC_DEBUG=1 for the traceback)\n")
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -131,3 +131,33 @@ def test_recording_sees_modules_imported_before_the_window(model_pkg, monkeypatc
         exec("from helpers.deep.sizes import HIDDEN", {})
     assert model_pkg / "helpers" / "deep" / "sizes.py" in {f for f in files}
     assert not any("site-packages" in str(f) for f in files)  # libraries are not keyed
+
+
+def test_a_model_file_may_define_dataclasses(tmp_path):
+    """dataclasses look their module up in sys.modules while the file executes."""
+    f = tmp_path / "dc_model.py"
+    f.write_text("from __future__ import annotations\nimport dataclasses\nimport torch\n\n"
+                 "@dataclasses.dataclass\nclass Cfg:\n    vocab: int = 64\n    hidden: int = 16\n\n"
+                 "def build_model():\n    c = Cfg()\n"
+                 "    return torch.nn.Sequential(torch.nn.Embedding(c.vocab, c.hidden),\n"
+                 "                               torch.nn.Linear(c.hidden, c.vocab))\n"
+                 + _TAIL)
+    from shardc.frontends.model_file import load_model_file
+
+    model, _ = load_model_file(f).build()
+    assert sum(p.numel() for p in model.parameters()) == 64 * 16 + 16 * 64 + 64
+
+
+def test_a_closed_stdout_pipe_is_not_an_internal_error(tmp_path):
+    """`shardc compile ... | head`: the reader leaves early; no traceback, no internal error."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "shardc.cli", "compile",
+                             str(EXAMPLES / "tiny_llama.py"), "--mesh", "4x1", "--search",
+                             "megatron", "--quiet", "--out", str(tmp_path / "o")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # nobody reads the summary
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) in (0, 141), err
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert (tmp_path / "o" / "plan.json").is_file()

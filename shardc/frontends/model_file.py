@@ -114,19 +114,24 @@ def _load_python(p: Path) -> ModelSource:
         sys.path.remove(folder)
     sys.path.insert(0, folder)  # the model's own helpers win, as under `python model.py`
     forget_folder_modules(Path(folder))
+    # registered before it runs, as the import system does: dataclasses, pickling and
+    # typing look the defining module up in sys.modules while the file executes
+    sys.modules[mod_name] = module
     try:
         with user_code(str(p), "importing the model file"):
             spec.loader.exec_module(module)
     except InputError:
+        sys.modules.pop(mod_name, None)
         raise
     except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        sys.modules.pop(mod_name, None)
         if isinstance(e, SyntaxError) and e.lineno is not None:
             raise InputError(f"{p}:{e.lineno}: syntax error: {e.msg}") from e
         reason = e.msg if isinstance(e, SyntaxError) else str(e).splitlines()[0]
         raise InputError(f"{p}: not a readable Python source file ({reason})") from e
     except Exception as e:
+        sys.modules.pop(mod_name, None)
         raise InputError(f"{p}: importing failed: {type(e).__name__}: {e} (at {_where(e)})") from e
-    sys.modules[mod_name] = module
     for required in ("build_model", "example_inputs"):
         if not callable(getattr(module, required, None)):
             raise InputError(f"{p}: defines no {required}() (a model file needs build_model() "
