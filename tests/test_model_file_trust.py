@@ -161,3 +161,23 @@ def test_a_closed_stdout_pipe_is_not_an_internal_error(tmp_path):
     assert proc.wait(timeout=300) in (0, 141), err
     assert "internal error" not in err and "Traceback" not in err, err
     assert (tmp_path / "o" / "plan.json").is_file()
+
+
+def test_an_unchanged_helper_is_not_executed_again(model_pkg, fake_traces, tmp_path):
+    """A helper that registers global state (a torch custom op, say) runs once per process
+    unless its source changes: loading the model file again does not re-execute it."""
+    log = tmp_path / "executions.txt"
+    (model_pkg / "helpers" / "deep" / "sizes.py").write_text(
+        f"with open({str(log)!r}, 'a') as f:\n    f.write('run\\n')\nHIDDEN = 32\n")
+    from shardc.frontends.model_file import load_model_file
+
+    for _ in range(3):
+        load_model_file(model_pkg / "model.py").build()
+    assert log.read_text().count("run") == 1
+    (model_pkg / "helpers" / "deep" / "sizes.py").write_text(
+        f"with open({str(log)!r}, 'a') as f:\n    f.write('run\\n')\nHIDDEN = 48\n")
+    from shardc.frontends import load_graph
+
+    load_graph(model_pkg / "model.py")  # a recorded load notices the edit and re-imports
+    load_graph(model_pkg / "model.py")
+    assert log.read_text().count("run") == 2

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
 import signal
 import site
 import sys
@@ -110,6 +111,8 @@ def recording_imports():
         builtins.__import__ = real_import
         names.update(set(sys.modules) - before)
         files.update(_non_library_files(names))
+        for f in files:
+            _LOADED_DIGESTS.setdefault(str(f), _digest(f))
 
 
 def _non_library_files(names: set[str]) -> set[Path]:
@@ -130,18 +133,38 @@ def _non_library_files(names: set[str]) -> set[Path]:
     return out
 
 
+# source file -> sha256 when a recorded window imported it: the modules shardc loaded for a
+# model, so an edit to one of them is noticed at the next load (forget_folder_modules)
+_LOADED_DIGESTS: dict[str, str | None] = {}
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def forget_folder_modules(folder: Path) -> None:
-    """Drop from ``sys.modules`` the non-library modules whose top-level name a file or
-    package in ``folder`` provides, so the next import of a model file from ``folder``
-    executes its helpers from their current source (as a fresh process would)."""
-    roots = _library_roots()
+    """Drop from ``sys.modules`` the modules a model file of ``folder`` may import (a
+    top-level name a file or package in ``folder`` provides) that were loaded from another
+    place (``folder`` is now first on ``sys.path``) or whose source changed since a recorded
+    window imported it, so the next import runs what a fresh process would. Unchanged
+    modules of ``folder`` stay loaded: executing a module again would repeat its global
+    registrations (a ``torch.library.custom_op``, say)."""
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
         if not ((folder / f"{top}.py").is_file() or (folder / top).is_dir()):
             continue
         path = module_file(module) if isinstance(module, types.ModuleType) else None
-        if path is not None and not _is_under(path, roots):
+        if path is None:
+            continue
+        shadowed = folder.resolve() not in path.parents  # the folder now provides that name
+        changed = (str(path) in _LOADED_DIGESTS
+                   and _digest(path) != _LOADED_DIGESTS[str(path)])
+        if shadowed or changed:
             del sys.modules[name]
+            _LOADED_DIGESTS.pop(str(path), None)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from shardc.errors import InputError
-from shardc.frontends.imports import forget_folder_modules, user_code
+from shardc.frontends.imports import forget_folder_modules, recording_imports, user_code
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -76,7 +76,7 @@ def _where(exc: BaseException) -> str:
 
 def _call_user(fn: Callable, source: str, what: str):
     try:
-        with user_code(source, f"{what} ({fn.__name__}())"):
+        with recording_imports(), user_code(source, f"{what} ({fn.__name__}())"):
             return fn()
     except InputError:
         raise
@@ -118,7 +118,7 @@ def _load_python(p: Path) -> ModelSource:
     # typing look the defining module up in sys.modules while the file executes
     sys.modules[mod_name] = module
     try:
-        with user_code(str(p), "importing the model file"):
+        with recording_imports(), user_code(str(p), "importing the model file"):
             spec.loader.exec_module(module)
     except InputError:
         sys.modules.pop(mod_name, None)
