@@ -15,8 +15,6 @@ import json
 import logging
 import math
 import os
-import socket
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -43,12 +41,6 @@ class Case:
         from shardc.backends.apply import strategy_from_names
 
         return strategy_from_names(self.degrees, self.choices)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int,
@@ -235,20 +227,8 @@ def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None =
 # transformers and shardc again (start-up dominated the launch: ~4x the import CPU time).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers",
             "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-            "shardc.frontends.model_file", "shardc.backends.apply", "shardc.backends.verify"]
-
-
-def _start_method() -> str:
-    """``forkserver`` with the heavy imports preloaded (a fresh single-threaded server
-    process, so forking it is safe); ``spawn`` where there is no fork server or when
-    ``SHARDC_VERIFY_SPAWN=1``."""
-    import multiprocessing
-
-    if os.environ.get("SHARDC_VERIFY_SPAWN", "") not in ("", "0") or \
-            "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    return "forkserver"
+            "shardc.frontends.model_file", "shardc.backends.apply", "shardc.backends.verify",
+            "shardc.testing.launch"]
 
 
 def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | None = None,
@@ -257,27 +237,17 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
     """Several models' cases in ONE launch (process start-up dominates): results in order.
     A suite is ``(model_ref, cases)`` or ``(model_ref, cases, tiny_degrees)`` (that model's
     own; else ``tiny_degrees``)."""
-    import torch.multiprocessing as mp
+    from shardc.testing.launch import launch
 
     batch = batch or 2 * world
     suites = [(os.path.abspath(s[0]) if s[0].endswith((".py", ".json")) else s[0], s[1],
                s[2] if len(s) > 2 else tiny_degrees) for s in suites]
     cases = [c for _, cs, _ in suites for c in cs]
     payload = [(m, [c.__dict__ for c in cs], degs) for m, cs, degs in suites]
-    method = _start_method()
-    with tempfile.TemporaryDirectory(prefix="shardc-verify-") as tmp:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), payload, batch, seq, tmp),
-                                 nprocs=world, join=False, start_method=method)
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.terminate()
-                raise TimeoutError(f"verify workers did not finish in {timeout_s:.0f} s")
-        per_rank = []
-        for r in range(world):
-            p = os.path.join(tmp, f"rank{r}.json")
-            per_rank.append(json.load(open(p)) if os.path.exists(p) else [])
+    try:
+        per_rank = launch(_worker, world, (payload, batch, seq), timeout_s, _PRELOAD)
+    except TimeoutError:
+        raise TimeoutError(f"verify workers did not finish in {timeout_s:.0f} s") from None
     return [merge_rank_results(c.name, [rr[i] if i < len(rr) else None for rr in per_rank])
             for i, c in enumerate(cases)]
 

@@ -1,0 +1,1 @@
+"""shardc.testing: running code on several local gloo processes (torch only)."""
