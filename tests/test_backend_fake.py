@@ -2,10 +2,12 @@
 
 * every parameter's local shape is what plan.json's ``params`` says (same function
   :func:`shardc.backends.layout.param_plan` that :func:`shardc.plan.build_plan` uses);
-* the collectives DTensor executes for one layer of each kind (CommDebugMode) are those the
-  cost model charges (:meth:`CostModel.explain`), mapped to where the runtime issues them:
-  a repair of an op's output happens once per module of that op (HF keeps q/k/v and gate/up
-  as separate linears: 3 and 2 collectives of the same total bytes; GPT-MoE packs qkv: 1).
+* the collectives DTensor executes for one layer of each kind, recorded as (collective,
+  mesh dim, bytes) by :class:`collective_record.CollectiveRecorder`, are those the cost model
+  charges (:meth:`CostModel.simulate` ``collectives``, at the token count the forward runs:
+  :func:`_expected_records`), mapped to where the runtime issues them: a repair of an op's
+  output happens once per module of that op (HF keeps q/k/v and gate/up as separate linears:
+  3 and 2 collectives whose bytes sum to the charged bytes; GPT-MoE packs qkv: 1).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardc.backends.apply import apply, strategy_from_names
@@ -135,14 +136,34 @@ def check_placed_params(model, expected: dict) -> int:
     return checked
 
 
-def _expected_counts(graph, strategy, mesh: str, kind: str, modules_per_op: dict) -> Counter:
+def _expected_records(graph, strategy, mesh: str, kind: str, modules_per_op: dict,
+                      seqs: int) -> list[tuple[str, str, float, int]]:
+    """The cost model's collectives of one ``kind`` layer: ``[(collective, mesh dim, bytes,
+    n)]`` from :meth:`CostModel.simulate`, ``n`` = how many modules issue that repair (a repair
+    of an op's output happens once per module of that op; ``bytes`` is their total).
+
+    Workload: ``strategy.batch = seqs x pp x ep`` sequences per dp replica, so the cost model's
+    per-micro-batch tokens per attention group are ``T = seqs`` sequences x 1 token: decode
+    (``T = batch / pp / ep``); with sequence parallelism, which the cost model has in prefill
+    only, a 1-token prefill (pp = 1: ``T = batch / ep x prompt``). That is what
+    :func:`_run_layer` feeds one rank: ``[seqs, 1, hidden]``, or its ``seqs / tp`` rows of the
+    token-split residual under sp. Bytes are bf16 full-tensor bytes (``T x width x 2``; ep
+    all-to-alls per rank ``T / sp x top_k x hidden x 2``). ``expert_imbalance=1``: on ``meta``
+    the routing is the balanced load (the backend's capacity is ``ceil(T x top_k / E)``, the
+    charged volume when ``E`` divides ``T x top_k``)."""
     from shardc.cost import CostModel
 
-    wl = Workload(phase="decode", batch=strategy.batch, context=4096)
-    ex = CostModel(graph, Mesh.parse(mesh), "h100", wl).simulate(strategy)
+    deg = strategy.degrees
+    assert strategy.batch == seqs * deg.pp * deg.ep
+    if deg.sp > 1:
+        assert deg.pp == 1
+        wl = Workload(phase="prefill", batch=strategy.batch, prompt=1)
+    else:
+        wl = Workload(phase="decode", batch=strategy.batch, context=4096)
+    ex = CostModel(graph, Mesh.parse(mesh), "h100", wl, expert_imbalance=1.0).simulate(strategy)
     ops = [o for b in BRANCHES.values() for o in b]
-    out: Counter = Counter()
-    for lk, branch, before, coll, dim, _bytes, _ms in ex.collectives:
+    out = []
+    for lk, branch, before, coll, dim, nbytes, _ms in ex.collectives:
         if lk != kind:
             continue
         n = 1
@@ -152,31 +173,64 @@ def _expected_counts(graph, strategy, mesh: str, kind: str, modules_per_op: dict
         elif before == "<end>" and seq:
             n = modules_per_op.get(seq[-1], 1)
         assert before in ops or before in ("<end>", "dispatch", "combine")
-        out[(coll, dim)] += n
+        out.append((coll, dim, nbytes, n))
     return out
 
 
-def _run_layer(model, adapter, i: int, batch: int) -> Counter:
+def assert_records_match(got: list[tuple[str, str, int]], want: list[tuple], what=""):
+    """``got`` (the recorder's ``(collective, mesh dim, bytes)``) equals ``want`` (the cost
+    model's ``(collective, mesh dim, bytes, n)``): every ``n = 1`` row is one recorded
+    collective of exactly those bytes; the rows issued per module (``n > 1``) are, per
+    (collective, mesh dim), that many recorded collectives whose bytes sum to the charged
+    bytes; nothing else is recorded."""
+    rest = Counter(got)
+    missing = []
+    for coll, dim, nbytes, n in want:
+        if n == 1:
+            key = (coll, dim, int(round(nbytes)))
+            if rest[key] > 0:
+                rest[key] -= 1
+            else:
+                missing.append(key)
+    split_want: dict = {}
+    for coll, dim, nbytes, n in want:
+        if n > 1:
+            c, b = split_want.get((coll, dim), (0, 0))
+            split_want[(coll, dim)] = (c + n, b + int(round(nbytes)))
+    split_got: dict = {}
+    for (coll, dim, nbytes), k in rest.items():
+        if k > 0:
+            c, b = split_got.get((coll, dim), (0, 0))
+            split_got[(coll, dim)] = (c + k, b + k * nbytes)
+    detail = f"{what}\nrecorded: {sorted(got)}\ncharged: {sorted(want)}"
+    assert not missing, f"charged but not issued with these bytes: {missing}{detail}"
+    assert split_got == split_want, f"(count, total bytes) per repair split over modules: " \
+        f"issued {split_got}, charged {split_want}{detail}"
+
+
+def _run_layer(model, adapter, i: int, seqs: int) -> list[tuple[str, str, int]]:
+    """One decode step of layer ``i`` on this rank: ``[seqs, 1, hidden]`` bf16 on meta, no
+    cache; returns the collectives it issued as ``(collective, mesh dim, bytes)``."""
+    from collective_record import CollectiveRecorder, group_names, model_meshes
+
     hidden = adapter.config.hidden_size
-    h = torch.zeros(batch, 4, hidden, device="meta", dtype=torch.bfloat16)
+    h = torch.zeros(seqs, 1, hidden, device="meta", dtype=torch.bfloat16)
     if adapter.family == "hf":
         layer = adapter.inner.layers[i]
-        pos = torch.arange(4, device="meta")[None]
+        pos = torch.arange(1, device="meta")[None]
         pe = adapter.inner.rotary_emb(h, position_ids=pos)
         kw = dict(attention_mask=None, position_embeddings=pe, position_ids=pos)
     else:
         layer, kw = adapter.model.layers[i], {}
-    with CommDebugMode() as cm:
+    with CollectiveRecorder(group_names(model_meshes(model))) as rec:
         out = layer(h, **kw)
     assert out.shape == h.shape
-    counts: Counter = Counter()
-    for op, n in cm.get_comm_counts().items():
-        counts[_COMM[str(op).split(".")[-1].split("'")[0]]] += n
-    return counts
+    return rec.records
 
 
 CASES = [
-    # (example module, mesh, degrees, overrides of the Megatron choices, batch)
+    # (example module, mesh, degrees, overrides of the Megatron choices, sequences per
+    # attention group = one rank's decode tokens T; T x top_k divisible by the experts E)
     ("llama3_70b", "8x1", {"tp": 8}, {}, 8),
     ("llama3_70b", "8x1", {"tp": 8}, {"ffn2": "col"}, 8),
     ("llama3_70b", "8x1", {"tp": 8}, {"qkv": "rep", "attn_core": "rep", "out_proj": "rep"}, 8),
@@ -190,10 +244,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("module_name,mesh,degrees,overrides,batch", CASES,
+@pytest.mark.parametrize("module_name,mesh,degrees,overrides,seqs", CASES,
                          ids=[f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[3].items()) or 'megatron'}"
                               for c in CASES])
-def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides, batch):
+def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides, seqs):
     import importlib
 
     mod = importlib.import_module(module_name)
@@ -201,6 +255,7 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
     model = mod.build_model()
     kinds = default_layer_kinds(model)
     kind = sorted(set(kinds.values()))[0]
+    batch = seqs * degrees.get("pp", 1) * degrees.get("ep", 1)  # per dp replica
     strategy = strategy_from_names(degrees, choices_for(kind, overrides), batch)
     params = [(n, list(p.shape)) for n, p in model.named_parameters()]
     expected = {r["fqn"]: r for r in param_plan(params, strategy, kinds)}
@@ -212,16 +267,14 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
     if degrees.get("pp", 1) > 1:
         assert type(sharded).__name__ == "PipelinedModel"
 
-    # the collectives of one layer equal the cost model's, per (kind, mesh dim)
+    # the collectives of one layer equal the cost model's: (collective, mesh dim, bytes)
     fused = adapter.family == "gpt_moe"
     per_op = {"qkv": 1 if fused else 3, "ffn1": 2}
     graph = _short_graph(module_name, 2)
-    want = _expected_counts(graph, strategy, mesh, kind, per_op)
-    got = _run_layer(model, adapter, 0, 8)  # this rank's rows (batch split over tp for S(0))
-    want_by_kind = Counter()
-    for (coll, _dim), n in want.items():
-        want_by_kind[coll] += n
-    assert got == want_by_kind, (got, want)
+    want = _expected_records(graph, strategy, mesh, kind, per_op, seqs)
+    got = _run_layer(model, adapter, 0, seqs)
+    assert got
+    assert_records_match(got, want)
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,7 +323,8 @@ def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
     choices = {"embedding": "vocab", "lm_head": "col"}
     for kind, names in ops.items():
         choices.update({f"{kind}.{o}": overrides.get(o, megatron[o]) for o in names})
-    strategy = strategy_from_names(degrees, choices, 16)
+    seqs = 32  # one rank's decode tokens T: T x top_k (8) = E (256), the balanced capacity 1
+    strategy = strategy_from_names(degrees, choices, seqs * degrees.get("pp", 1) * degrees["ep"])
     graph = _deepseek_short_graph()
     assert {k.name: sorted(o.name for o in k.ops) for k in graph.layer_kinds} == \
         {k: sorted(v) for k, v in ops.items()}  # the IR's slots are the backend's
@@ -289,19 +343,17 @@ def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
     adapter = adapter_for(model)
     per_op = {"qkv": 2, "ffn1": 2, "shared_ffn1": 2}  # q_b|kv_b, gate|up: one repair each
     for layer, kind in ((0, "dense_block"), (3, "moe_block")):
-        want = _expected_counts(graph, strategy, "8x32", kind, per_op)
-        got = _run_layer(model, adapter, layer, 16)
-        want_by_kind = Counter()
-        for (coll, _dim), n in want.items():
-            want_by_kind[coll] += n
-        assert got == want_by_kind, (kind, got, want)
+        want = _expected_records(graph, strategy, "8x32", kind, per_op, seqs)
+        assert_records_match(_run_layer(model, adapter, layer, seqs), want, kind)
 
 
 def test_deepseek_v3_emitted_parallelize_on_8x16(fake_world, tmp_path):
     """What ``shardc compile examples/deepseek_v3.py --mesh 8x16`` hands over: plan.json and
     parallelize.py. The emitted file, imported and run on a full-width model (one dense +
     one MoE layer, as the plan's graph) on 128 fake ranks, gives every parameter the local
-    shape plan.json lists, and both layer kinds run."""
+    shape plan.json lists, and both layer kinds issue the cost model's collectives (kind,
+    mesh dim, bytes; sequence parallelism: each rank's layer input is its ``T / sp`` token
+    rows, and the cost model's workload a 1-token prefill, see :func:`_expected_records`)."""
     import importlib.util
 
     import deepseek_v3
@@ -315,8 +367,9 @@ def test_deepseek_v3_emitted_parallelize_on_8x16(fake_world, tmp_path):
     choices = {"embedding": "vocab", "lm_head": "col"}
     for k in graph.layer_kinds:
         choices.update({f"{k.name}.{o.name}": megatron[o.name] for o in k.ops})
-    strategy = strategy_from_names({"tp": 2, "ep": 32, "dp": 2, "sp": 2}, choices, 16)
-    plan = build_plan(graph, strategy, Mesh(8, 16), "h100", Workload(batch=16))
+    seqs = 64  # tokens per attention group; a rank's T / sp = 32 tokens x top_k (8) = E (256)
+    strategy = strategy_from_names({"tp": 2, "ep": 32, "dp": 2, "sp": 2}, choices, seqs * 32)
+    plan = build_plan(graph, strategy, Mesh(8, 16), "h100", Workload(batch=seqs * 32))
     (tmp_path / "parallelize.py").write_text(plan.code())
     spec = importlib.util.spec_from_file_location("ds_parallelize", tmp_path / "parallelize.py")
     code = importlib.util.module_from_spec(spec)
@@ -334,5 +387,8 @@ def test_deepseek_v3_emitted_parallelize_on_8x16(fake_world, tmp_path):
     assert rows["model.layers.1.mlp.experts.down_proj"]["local_shape"] == [8, 7168, 1024]
     assert rows["model.layers.1.self_attn.kv_b_proj.weight"]["local_shape"] == [128 * 256 // 2, 512]
     adapter = adapter_for(model)
-    for layer in (0, 1):
-        _run_layer(model, adapter, layer, 16)  # asserts the output shape
+    per_op = {"qkv": 2, "ffn1": 2, "shared_ffn1": 2}
+    for layer, kind in ((0, "dense_block"), (1, "moe_block")):
+        got = _run_layer(model, adapter, layer, seqs // 2)  # sp=2: this rank's token rows
+        want = _expected_records(graph, strategy, "8x16", kind, per_op, seqs)
+        assert_records_match(got, want, kind)
