@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.backends.reports import write_outputs
 from shardc.cli import main
+from shardc.commands.reports import write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LLAMA = str(ROOT / "examples" / "tiny_llama.py")

@@ -291,7 +291,7 @@ def _no_staging_left(*folders: Path) -> bool:
 
 
 def test_failed_write_leaves_previous_set_and_user_files_and_nothing_else(tmp_path):
-    from shardc.backends.reports import write_outputs
+    from shardc.commands.reports import write_outputs
 
     def boom(path):
         raise RuntimeError("producer failed")
@@ -328,7 +328,7 @@ def test_sigterm_while_writing_rolls_back_and_exits_143(tmp_path):
     (out / "plan.json").write_text("old plan")
     script = textwrap.dedent(f"""
         import os, signal, sys, time
-        from shardc.backends.reports import write_outputs
+        from shardc.commands.reports import write_outputs
         from shardc.errors import ShardcError
 
         def killed(path):

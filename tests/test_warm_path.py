@@ -41,7 +41,7 @@ def golden_outputs() -> dict[str, str]:
     Megatron compile of tiny_llama on 4x1, and of tiny_mixtral planned with
     :func:`_fixed_strategy` on 8x1. Uses only interfaces the code before the change had."""
     import shardc.api as api
-    from shardc.backends.reports import graph_table, workload_note
+    from shardc.commands.reports import graph_table, workload_note
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Workload
     from shardc.plan import build_plan
@@ -140,7 +140,7 @@ ODD_TABLES = [
 def test_plain_table_is_tabulates_plain_format(rows):
     from tabulate import tabulate
 
-    from shardc.backends.reports import plain_table
+    from shardc.commands.reports import plain_table
 
     headers = ["node", "op", "collective inserted"]
     assert plain_table(rows, headers) == tabulate(rows, headers=headers, tablefmt="plain")
@@ -149,7 +149,7 @@ def test_plain_table_is_tabulates_plain_format(rows):
 def test_graph_txt_rows_are_tabulates_plain_format():
     from tabulate import tabulate
 
-    from shardc.backends.reports import GRAPH_TABLE_HEADERS, graph_table
+    from shardc.commands.reports import GRAPH_TABLE_HEADERS, graph_table
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Workload
     from shardc.ir.token_dims import shape_text
@@ -177,7 +177,7 @@ def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_importing_the_entry_points_imports_no_heavy_library():
     proc = _run("import sys, shardc, shardc.api, shardc.cli, shardc.driver, shardc.plan, "
                 "shardc.passes, shardc.passes.annotate, shardc.search, shardc.frontends, "
-                "shardc.backends.reports, shardc.commands.compile\n"
+                "shardc.commands.reports, shardc.commands.compile\n"
                 f"print([m for m in {HEAVY!r} if m in sys.modules])")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

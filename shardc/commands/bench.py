@@ -181,7 +181,7 @@ def run(args) -> int:
     def write(results: list[dict]) -> None:
         """(Re)write the JSON, markdown and plot from the cases finished so far (atomically;
         hand-written notes below :data:`NOTES_MARKER` in an existing markdown are kept)."""
-        from shardc.backends.reports import write_outputs
+        from shardc.commands.reports import write_outputs
 
         rows = [r for res in results for r in res["rows"]]
         note = "" if len(results) == len(cases) else \

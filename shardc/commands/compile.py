@@ -112,7 +112,7 @@ def summary_table(plan) -> str:
 
 def run(args) -> int:
     import shardc.api as api
-    from shardc.backends.reports import graph_dot, graph_table, workload_note, write_outputs
+    from shardc.commands.reports import graph_dot, graph_table, workload_note, write_outputs
 
     model_path = Path(args.model)
     if args.standalone and model_path.suffix.lower() == ".onnx":

@@ -86,9 +86,9 @@ def graph_json(graph: Graph, nodes: list[Node]) -> dict:
 
 
 def graph_dot(graph: Graph, nodes: list[Node], note: str = "") -> str:
-    """Graphviz text of ``nodes`` (see :func:`shardc.backends.reports.graph_dot`): one box
+    """Graphviz text of ``nodes`` (see :func:`shardc.commands.reports.graph_dot`): one box
     per node, edges between listed nodes, labels escaped."""
-    from shardc.backends.reports import graph_dot as dot
+    from shardc.commands.reports import graph_dot as dot
 
     return dot(graph.name, [{"name": n.name, "op": n.op, "shape": n.output_shape,
                              "token_dims": n.attrs.get("token_dims"), "inputs": n.inputs,
@@ -190,7 +190,7 @@ def run(args) -> int:
     from shardc.frontends import load_graph
 
     if _is_plan_file(args.model):  # shapes at the plan's workload (plan.json nodes)
-        from shardc.backends.reports import workload_note
+        from shardc.commands.reports import workload_note
         from shardc.plan import load_plan
 
         graph = graph_from_plan(args.model)

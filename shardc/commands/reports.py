@@ -6,7 +6,7 @@ the previous outputs whole) is :func:`shardc.backends.atomic.write_outputs`, re-
 
 from __future__ import annotations
 
-from shardc.backends.atomic import write_outputs
+from shardc.backends.atomic import write_outputs  # re-exported: the writer compile uses
 
 __all__ = ["graph_dot", "graph_table", "write_outputs"]
 
