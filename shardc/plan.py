@@ -112,10 +112,15 @@ class Plan:
 
     def apply(self, model, device_mesh=None):
         """Shard ``model`` in process on ``device_mesh`` (created from the logical mesh when
-        None); see :func:`shardc.backends.apply.apply`."""
-        from shardc.backends.apply import apply
+        None) by running this plan's ``parallelize.py`` (:meth:`code`): ``Plan.apply`` and the
+        emitted file are one code path, whichever runtime the plan gets. The generated source
+        holds plan values only as escaped literals (docs/errors.md, "Model files are code"),
+        so running it runs nothing from the plan's text."""
+        import types
 
-        return apply(model, self.strategy(), device_mesh, self.layer_kind_map())
+        module = types.ModuleType("shardc_parallelize")
+        exec(compile(self.code(), "<parallelize.py>", "exec"), module.__dict__)  # noqa: S102
+        return module.parallelize(model, device_mesh)
 
 
 # ---------------------------------------------------------------------- construction

@@ -485,3 +485,31 @@ def test_hostile_names_stay_data_in_torch_style_files(tmp_path, monkeypatch, sta
             spec.loader.exec_module(module)
             assert not (tmp_path / "PWNED").exists()
         assert payload in module.LAYER_KINDS and payload in module.__doc__
+
+
+@pytest.mark.parametrize("model_file, degrees, choices", [(LLAMA, {"tp": 4}, None),
+                                                          (MIXTRAL, {"ep": 2, "tp": 2}, MOE)])
+def test_plan_apply_runs_the_emitted_parallelize(model_file, degrees, choices):
+    """``Plan.apply`` is the emitted parallelize.py: a covered plan's model comes back with
+    torch's styles applied (every parameter placed as plan.json says)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build
+    from shardc.runtime import make_mesh
+
+    plan = build(model_file, degrees, choices)
+    assert "parallelize_module" in plan.code()  # the torch-style file
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = _build(model_file, 8, 8)[0]
+        shape, names = plan.strategy().degrees.logical_mesh()
+        plan.apply(model, make_mesh(shape, names))
+        assert_placements_match(model, plan)
+        q_proj = model.model.layers[0].self_attn.q_proj
+        hooks = [getattr(h, "func", h) for h in (*q_proj._forward_pre_hooks.values(),
+                                                  *q_proj._forward_hooks.values())]
+        origins = {getattr(h, "__module__", "") for h in hooks}
+        assert any(o.startswith("torch.distributed.tensor") for o in origins), origins
+        assert not any(o.startswith("shardc.backends") for o in origins), origins
+    finally:
+        dist.destroy_process_group()
