@@ -199,7 +199,7 @@ def render(rows: list[dict]) -> str:
         "- **cost-modelled**: that graph planned by `shardc.compile(search=\"megatron\")` on an",
         "  8x1 H100 mesh (decode, context 4096 or the model's maximum if shorter);",
         "- **backend-runnable**: `shardc compile`'s backend check accepts the model, and the tiny",
-        "  variant (hidden 64, 4 heads, 4 layers, 4 experts) sharded on 4 gloo ranks -- the",
+        "  variant (the one `shardc verify` derives from the config) sharded on 4 gloo ranks -- the",
         "  emitted `parallelize.py` of a tp=2 plan (ep=2 for MoE, else dp=2), a heads split with",
         "  the KV cache, a batch-split attention with row qkv and a padding mask, 2 pipeline",
         f"  stages -- gives the unsharded logits within {TOL:g} (relative); a refused model makes",
