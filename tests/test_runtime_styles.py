@@ -281,12 +281,10 @@ def test_parameter_placements_equal_plan_rows(emitted, name):
     """On 4 fake ranks: each parameter's placements and local shape == its plan.json row."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardc.backends.verify import _build
+    from shardc.backends.verify import _build, _load_code
 
     plan, path = emitted[name]
-    spec = importlib.util.spec_from_file_location(f"standalone_{abs(hash(name))}", path)
-    code = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(code)
+    code = _load_code(str(path))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         model = _build(CASES[name][0], 8, 8)[0]
@@ -423,14 +421,12 @@ def test_collectives_run_are_the_walks(emitted, name):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardc.backends.verify import _build
+    from shardc.backends.verify import _build, _load_code
 
     names = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
     plan, path = emitted[name]
-    spec = importlib.util.spec_from_file_location(f"standalone_c{abs(hash(name))}", path)
-    code = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(code)
+    code = _load_code(str(path))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         model, ids = _build(CASES[name][0], 8, 8)
