@@ -83,10 +83,11 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
         result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
     searched = result
     chosen_from = policy
-    for name, base in baselines.items():
+    # Never hand back a plan worse than a baseline computed in the same run (a baseline
+    # asked for by name is returned as it is).
+    for name, base in ({} if policy in baselines else baselines).items():
         if (base.best_action is not None and np.isfinite(base.best_value)
                 and (result.best_action is None or base.best_value > result.best_value)):
-            # Never hand back a plan worse than a baseline computed in the same run.
             result, chosen_from = base, name
     megatron = baselines["megatron"]
     if result.best_action is None or not np.isfinite(result.best_value):

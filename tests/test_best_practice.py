@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from cost_graphs import fixture_graph
+
 from shardc.commands.compile import baseline_ratios, summary_table
 from shardc.cost import CostModel
 from shardc.ir.space import StrategySpace, megatron_op_choices
