@@ -163,6 +163,7 @@ def run(args) -> int:
     }
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
         files["parallelize.py"] = plan.code(standalone=args.standalone)
+    files.update(launch_files(plan, outcome))
     written = write_outputs(out, files)
     print(summary_table(plan))
     print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
@@ -171,6 +172,25 @@ def run(args) -> int:
 
         print(ONNX_PARALLELIZE_NOTE)
     return 0
+
+
+def launch_files(plan, outcome) -> dict:
+    """``launch/{vllm,sglang}_<role>.sh`` of a single-phase plan: one pool, role
+    :func:`~shardc.backends.launch.role_for_phase` (decode -> mixed, prefill -> prefill),
+    max model length = the decode context or the prompt (tokens), memory fraction = the share
+    of HBM the cost model lets a plan fill (1 - the hardware's headroom)."""
+    from shardc.backends.launch import LaunchPool, launch_scripts, role_for_phase
+    from shardc.search import cost_model_objective
+
+    wl = plan.workload
+    pool = LaunchPool(
+        role=role_for_phase(wl["phase"]), strategy=outcome.strategy, model=plan.model["name"],
+        max_model_len=int(wl["context"] if wl["phase"] == "decode" else wl["prompt"]),
+        mem_fraction=1.0 - float(outcome.cost_model.hw.headroom),
+        kv_cache=str(wl.get("kv_cache") or "bf16"), weights=str(wl.get("weights") or "bf16"))
+    return launch_scripts(pool, outcome.space,
+                          cost_model_objective(outcome.cost_model, outcome.space),
+                          plan_value=plan.predicted.get("tok_s_per_gpu"))
 
 
 def _plot(path, outcome, plan) -> str:
