@@ -165,6 +165,23 @@ def test_a_hostile_model_name_stays_one_quoted_argument(tmp_path):
         assert not list(tmp_path.glob("PWNED*"))
 
 
+@needs_bash
+def test_names_from_the_model_in_comments_cannot_end_the_comment(tmp_path):
+    g = fixture_graph("mixtral_8x7b")
+    g.layer_kinds[0].name = "moe\ntouch PWNED\n#"
+    m, wl = Mesh.parse("8x1"), Workload(phase="decode")
+    space = StrategySpace(g, m, wl)
+    obj = cost_model_objective(CostModel(g, m, "h100", wl), space)
+    slot = next(s for s in space.op_slots if s.endswith(".expert_ffn1"))
+    st = strategy(space, 64, {slot: 2}, tp=8)  # not expressible: its name is in a comment
+    for fname, text in scripts(space, obj, st).items():
+        assert "touch PWNED" in text and "\ntouch PWNED" not in text.replace("\\x0a", "")
+        assert all(line.startswith("#") for line in text.splitlines() if "PWNED" in line)
+        path = tmp_path / fname.replace("/", "_")
+        path.write_text(text)
+        assert subprocess.run([BASH, "-n", str(path)]).returncode == 0
+
+
 def test_pool_values_are_validated_before_any_script():
     space, _ = problem("llama3_70b", "8x1", "decode")
     st = strategy(space, 64, tp=8)

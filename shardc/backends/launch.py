@@ -44,6 +44,7 @@ from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choice
 from shardc.ir.strategy import Strategy
 from shardc.search.baselines import DP_ATTENTION, sweep_actions
 from shardc.search.legal import LegalSampler
+from shardc.text import one_line
 from shardc.validate import MAX_TOKENS, check_number
 
 ENGINES = ("vllm", "sglang")
@@ -283,7 +284,7 @@ def render_script(pool: LaunchPool, launch: EngineLaunch, space: StrategySpace,
         lines.append(f"# shardc predicts {plan_value:.1f} tok/s/GPU for this plan.")
     if launch.reasons:
         lines.append(f"# The plan is not expressible in {name}:")
-        lines += [f"#   - {r}" for r in launch.reasons]
+        lines += [f"#   - {one_line(r)}" for r in launch.reasons]  # names from the model
         pred = "-" if launch.predicted is None else f"{launch.predicted:.1f}"
         lines.append(f"# Nearest configuration {name} can express: {_describe(s)}, "
                      f"predicted {pred} tok/s/GPU"
