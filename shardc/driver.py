@@ -42,16 +42,6 @@ class SearchOutcome:
     searched: SearchResult | None = None  # the requested searcher's own result
     best_practice: SearchResult | None = None  # the best-practice baseline's sweep
 
-    @property
-    def stronger_baseline(self) -> SearchResult:
-        """The better of the two baselines (Megatron on a tie): what gains are claimed
-        against."""
-        bp = self.best_practice
-        if bp is not None and bp.found and (not self.megatron.found
-                                            or bp.best_value > self.megatron.best_value):
-            return bp
-        return self.megatron
-
 
 def _canonical_when_tp1(space, objective, action, value):
     """With tp = 1 every per-op choice costs the same; report Megatron's names (if the cost
