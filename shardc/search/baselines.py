@@ -150,8 +150,6 @@ def _evaluate_all(acts: np.ndarray, budget: Budget, chunk: int) -> None:
 # Choice indices of the contract (shardc.ir.contract): 0 = col / heads, 1 = row / batch,
 # 2 = replicated (follows its input: token-split on a sequence-parallel residual).
 COL, ROW, REP = 0, 1, 2
-ATTENTION_OPS = ("qkv", "attn_core", "out_proj")
-EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
 # DP-attention inside the tp group (SGLang --enable-dp-attention): attention weights
 # replicated, every rank serves its own sequences (attn_core split by batch)
 DP_ATTENTION = {"qkv": REP, "attn_core": ROW, "out_proj": REP}
@@ -192,37 +190,25 @@ def best_practice_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
     mask = space.op_masks(np.array([tp_idx]))[0]
     ops = [slot.split(".")[-1] for slot in space.op_slots]
 
-    def variant(rows: dict[str, int]) -> np.ndarray | None:
-        out = base.copy()
-        hit = False
+    def variant(row: np.ndarray, changes: dict[str, int]) -> np.ndarray | None:
+        """``row`` with every op named in ``changes`` set to its choice; None when one is
+        illegal here or nothing changes."""
+        out = row.copy()
         for i, op in enumerate(ops):
-            if op in rows:
-                if not mask[i, rows[op]]:
+            if op in changes:
+                if not mask[i, changes[op]]:
                     return None
-                hit |= out[i] != rows[op]
-                out[i] = rows[op]
-        return out if hit else None
+                out[i] = changes[op]
+        return None if np.array_equal(out, row) else out
 
     heads_illegal = any(not mask[i, COL] for i, op in enumerate(ops) if op == "attn_core")
     attention = [base]
     if heads_illegal or not _kv_cache_per_head(space):
-        dp_attn = variant(DP_ATTENTION)
-        if dp_attn is not None:
-            attention.append(dp_attn)
+        attention.append(variant(base, DP_ATTENTION))
     rows = []
-    for att in attention:
-        rows.append(att)
-        if any(op in EXPERT_OPS for op in ops):
-            etp1 = att.copy()
-            for i, op in enumerate(ops):
-                if op in EXPERT_OPS and mask[i, EXPERT_TP1[op]]:
-                    etp1[i] = EXPERT_TP1[op]
-            rows.append(etp1)
-    unique = []
-    for r in rows:
-        if not any(np.array_equal(r, u) for u in unique):
-            unique.append(r)
-    return np.stack(unique)
+    for att in (a for a in attention if a is not None):
+        rows += [r for r in (att, variant(att, EXPERT_TP1)) if r is not None]
+    return np.stack(rows)  # distinct: each variant changes a different set of ops
 
 
 def best_practice_actions(sampler: LegalSampler) -> np.ndarray:
