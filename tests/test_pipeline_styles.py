@@ -26,6 +26,7 @@ from test_backend_gloo import (
     DEEPSEEK,
     DENSE,
     DS_MEGATRON,
+    GPT_MOE,
     LLAMA,
     MIXTRAL,
     MOE,
@@ -239,3 +240,16 @@ def test_a_stage_map_the_runtime_cannot_deploy_is_refused_naming_it():
             p["stage"] = 0
     with pytest.raises(InputError, match=r"pp=2: layer 1's parameters are on stages \[0, 1\]"):
         plan.code(standalone=True)
+
+
+def test_pipeline_stages_of_another_layout_are_not_deployed():
+    """GPT-MoE keeps ``layers.<i>`` / ``embed`` / ``ln_f``: the pipeline runtime knows the HF
+    causal-LM layout only, so its stage map is refused naming a parameter (whatever the
+    per-kind plans cover) and the default file stays the ModelSharder one."""
+    from shardc.backends.pipeline_styles import stage_layers
+    from shardc.backends.torch_styles import NotCovered
+
+    plan = build(GPT_MOE, {"pp": 2, "tp": 2}, None)
+    with pytest.raises(NotCovered, match="is outside an HF causal LM's model.layers"):
+        stage_layers(plan)
+    assert "ModelSharder" in plan.code()

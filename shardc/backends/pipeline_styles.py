@@ -32,19 +32,26 @@ from shardc.backends.dtensor import _comment, _literal
 from shardc.backends.torch_styles import NotCovered
 
 _DECODER_PARAM = re.compile(r"^model\.layers\.(\d+)\.")
-_FIRST_STAGE = {"model.embed_tokens"}  # model-level modules by stage; the rest: last
+_FIRST_STAGE = {"model.embed_tokens"}  # model-level modules by stage
+_LAST_STAGE = {"model.norm", "lm_head"}
 
 
 def stage_layers(plan) -> list[list[int]]:
     """Decoder layers of each pipeline stage, from plan.json ``params[].stage`` (raises
-    :class:`NotCovered` when a layer's parameters sit on two stages, a stage holds no layer
-    or its layers are not contiguous, or the embedding / lm_head are off their stages)."""
+    :class:`NotCovered` for a parameter outside an HF causal LM's ``model.layers`` /
+    ``embed_tokens`` / ``norm`` / ``lm_head``, when a layer's parameters sit on two stages, a
+    stage holds no layer or its layers are not contiguous, or the embedding / final norm /
+    lm_head are off their stages)."""
     pp = plan.strategy().degrees.pp
     of_layer: dict[int, set[int]] = {}
     for p in plan.params:
         m = _DECODER_PARAM.match(str(p["fqn"]))
         if m:
             of_layer.setdefault(int(m.group(1)), set()).add(int(p["stage"]))
+        elif str(p["fqn"]).rsplit(".", 1)[0] not in _FIRST_STAGE | _LAST_STAGE:
+            raise NotCovered(f"pp={pp}: parameter {p['fqn']!r} is outside an HF causal LM's "
+                             "model.layers / embed_tokens / norm / lm_head (the pipeline "
+                             "runtime keeps stages of those)")
         elif str(p["fqn"]).rsplit(".", 1)[0] in _FIRST_STAGE:
             if int(p["stage"]) != 0:
                 raise NotCovered(f"pp={pp}: {p['fqn']} on stage {p['stage']} (the runtime "
