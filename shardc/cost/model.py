@@ -49,7 +49,7 @@ from shardc.errors import InputError
 from shardc.ir.contract import BRANCHES
 from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
-from shardc.ir.strategy import Mesh, Strategy, Workload, stage_layer_ranges
+from shardc.ir.strategy import Mesh, Strategy, Workload, format_bytes, stage_layer_ranges
 
 # reason codes of an infeasible strategy (0 = feasible), checked in this order
 REASONS = {
@@ -97,9 +97,10 @@ class _Kind:
 class CostModel:
     """``CostModel(graph, mesh, hardware, workload)``; ``evaluate(actions, space)``.
 
-    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element,
-    default the graph's ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak),
-    ``fp8_dispatch`` (MoE dispatch in FP8, :mod:`shardc.cost.moe_dispatch`;
+    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element;
+    default from ``workload.weights`` / ``workload.kv_cache``: 1 for fp8, else the graph's
+    ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak; default: ``workload.weights ==
+    "fp8"``), ``fp8_dispatch`` (MoE dispatch in FP8, :mod:`shardc.cost.moe_dispatch`;
     default: as ``fp8_gemm``), ``moe_layouts`` (the tensor layouts the MoE exchange may
     cross at, :data:`shardc.cost.moe_dispatch.LAYOUT_RULES`; default ``"backend"``, what the
     emitted code runs), ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`).
@@ -114,10 +115,10 @@ class CostModel:
         self.hw = load_hardware(hardware)
         cfg = graph.config
         dtype = float(cfg.get("dtype_bytes", 2) or 2)
-        self.weight_bytes = float(weight_bytes or dtype)
-        self.kv_bytes = float(kv_bytes or dtype)
+        self.weight_bytes = float(weight_bytes or format_bytes(workload.weights, dtype))
+        self.kv_bytes = float(kv_bytes or format_bytes(workload.kv_cache, dtype))
         self.act_bytes = float(act_bytes or dtype)
-        self.fp8_gemm = bool(fp8_gemm)
+        self.fp8_gemm = workload.weights == "fp8" if fp8_gemm is None else bool(fp8_gemm)
         self.fp8_dispatch = self.fp8_gemm if fp8_dispatch is None else bool(fp8_dispatch)
         if moe_layouts not in LAYOUT_RULES:
             raise ValueError(f"moe_layouts {moe_layouts!r}: expected one of {LAYOUT_RULES}")
