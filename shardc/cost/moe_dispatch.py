@@ -108,11 +108,12 @@ def _layout(ops: tuple[str, ...]) -> np.ndarray:
     return out
 
 
-def _choose(p: float, per_group: np.ndarray, k: int) -> np.ndarray:
-    """P(a group of ``per_group`` of the ``p`` experts holds >= 1 of a token's ``k``)."""
+def _hit_probability(experts: float, per_group: np.ndarray, k: int) -> np.ndarray:
+    """P(a group holding ``per_group`` of the ``experts`` experts holds >= 1 of a token's
+    ``k`` distinct experts): ``1 - C(experts - per_group, k) / C(experts, k)``."""
     miss = np.ones_like(per_group, dtype=np.float64)
     for i in range(k):
-        miss = miss * np.clip((p - per_group - i) / (p - i), 0.0, 1.0)
+        miss = miss * np.clip((experts - per_group - i) / (experts - i), 0.0, 1.0)
     return 1.0 - miss
 
 
@@ -127,8 +128,8 @@ def exchange_rows(mode: str, group: CommGroup, num_experts: int, top_k: int):
     if mode == "low_latency":
         return k * (g - 1) / n, k * (n - g) / n, np.full_like(n, k)
     E = float(max(num_experts, top_k, 1))
-    p_rank = _choose(E, E / n, top_k)
-    p_node = _choose(E, E / N, top_k)
+    p_rank = _hit_probability(E, E / n, top_k)
+    p_node = _hit_probability(E, E / N, top_k)
     nvlink = p_rank * ((g - 1) + (n - g) * (g - 1) / g)
     return nvlink, (N - 1) * p_node, p_rank * n
 
