@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardc.commands.compile import add_quantisation_arguments
 from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
@@ -43,6 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
+    add_quantisation_arguments(p, default=None)  # given: overrides every case's format
 
 
 # ------------------------------------------------------------------------------ suites
@@ -88,7 +90,8 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     graph = cached_graph(case["model"])
     mesh = Mesh.parse(case["mesh"])
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
-                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]))
+                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]),
+                  weights=case.get("weights", "bf16"), kv_cache=case.get("kv_cache", "bf16"))
     space = StrategySpace(graph, mesh, wl)
     objective = cost_model_objective(CostModel(graph, mesh, case["hardware"], wl), space)
     rows, curves = [], {}
@@ -162,6 +165,9 @@ def run(args) -> int:
         cases = [c for c in cases if args.cases in c["name"]]
         if not cases:
             raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
+    for flag in ("weights", "kv_cache"):
+        if getattr(args, flag):
+            cases = [{**c, flag: getattr(args, flag)} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad:

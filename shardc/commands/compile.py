@@ -8,7 +8,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from shardc.errors import InputError
-from shardc.ir.strategy import Workload, parse_degree_fields
+from shardc.ir.strategy import QUANT_FORMATS, Workload, parse_degree_fields
 from shardc.search import POLICIES
 from shardc.text import out_dir_name
 from shardc.validate import (
@@ -44,12 +44,22 @@ def add_workload_arguments(p) -> None:
                    help="time per output token SLO (ms; 1000000 = no SLO)")
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
+    add_quantisation_arguments(p)
+
+
+def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
+    """``--weights`` / ``--kv-cache`` (:data:`shardc.ir.strategy.QUANT_FORMATS`)."""
+    p.add_argument("--weights", default=default, choices=list(QUANT_FORMATS),
+                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak")
+    p.add_argument("--kv-cache", default=default, choices=list(QUANT_FORMATS),
+                   help="KV-cache format: fp8 = 1 byte per cached element")
 
 
 def workload_from_args(args) -> Workload:
     """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
-                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo)
+                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
+                    weights=args.weights, kv_cache=args.kv_cache)
 
 
 def add_arguments(p) -> None:

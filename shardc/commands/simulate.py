@@ -151,7 +151,8 @@ def run(args) -> int:
                "workload": {"phase": workload.phase, "batch": int(batch),
                             "context": workload.context, "prompt": workload.prompt,
                             "tpot_slo_ms": workload.tpot_slo_ms,
-                            "ttft_slo_ms": workload.ttft_slo_ms},
+                            "ttft_slo_ms": workload.ttft_slo_ms,
+                            "weights": workload.weights, "kv_cache": workload.kv_cache},
                "degrees": deg.as_dict(), "choices": strategy.choice_names(),
                "predicted": ex.predicted}
         write_file_atomic(args.json, dumps_strict_json(doc, indent=2, sort_keys=True) + "\n",

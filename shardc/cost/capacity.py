@@ -6,13 +6,14 @@ import math
 
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.ir.graph import Graph
-from shardc.ir.strategy import Workload
+from shardc.ir.strategy import Workload, format_bytes
 
 
 def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | None = None
                         ) -> tuple[float, float]:
     """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
-    phase's cache length: context in decode, prompt in prefill)."""
+    phase's cache length: context in decode, prompt in prefill), in the workload's weight
+    and KV-cache formats."""
     db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
     params = sum(o.params for o in graph.global_ops)
     kv_per_token = 0.0
@@ -24,7 +25,8 @@ def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | N
             kv_per_token += k.count * float(core.attrs.get("kv_cache_elems_per_token", 0))
     length = workload.context if workload.phase == "decode" else workload.prompt
     seqs = workload.batch or 1
-    return params * db, seqs * length * kv_per_token * db
+    return (params * format_bytes(workload.weights, db),
+            seqs * length * kv_per_token * format_bytes(workload.kv_cache, db))
 
 
 def min_gpus_needed(graph: Graph, workload: Workload, hardware: Hardware | str) -> int:

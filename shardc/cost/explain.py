@@ -57,6 +57,7 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
     segs = [(f"{kind_name}.norms", "compute", _f(nt))]
     for bname, _fops, _table, _combo, bc in brs:
         colls = {c[0]: c for c in bc.collectives}
+        _tp_repair(segs, colls, "before dispatch")
         if "dispatch" in colls and _f(colls["dispatch"][4]) > 0:
             segs.append(("ep dispatch all_to_all", "comm", _f(colls["dispatch"][4])))
         for op, _mode, oc, c_s in bc.ops:
@@ -70,7 +71,15 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
                          _f(end[4])))
         if "combine" in colls and _f(colls["combine"][4]) > 0:
             segs.append(("ep combine all_to_all", "comm", _f(colls["combine"][4])))
+        _tp_repair(segs, colls, "after combine")
     return segs
+
+
+def _tp_repair(segs: list, colls: dict, key: str) -> None:
+    """Append the MoE exchange's tp repair ``key`` ("before dispatch" / "after combine")."""
+    if key in colls and _f(colls[key][4]) > 0:
+        segs.append((f"{COLLECTIVE_KINDS[int(colls[key][1][0])]} {key}", "comm",
+                     _f(colls[key][4])))
 
 
 def simulate(cm, strategy: Strategy) -> Breakdown:

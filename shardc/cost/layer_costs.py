@@ -23,6 +23,7 @@ import numpy as np
 
 from shardc.cost import collectives as coll
 from shardc.cost.branch_tables import BranchTable
+from shardc.cost.moe_dispatch import experts_exchange
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.contract import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT
@@ -58,6 +59,9 @@ class Batch:
     kv_bytes: float
     gemm_peak: float
     detail: bool = False
+    expert_imbalance: np.ndarray | float = 1.0  # busiest ep rank's routed rows / mean
+    fp8_dispatch: bool = False  # MoE dispatch in FP8 (combine stays at act_bytes)
+    moe_layouts: str = "backend"  # moe_dispatch.LAYOUT_RULES
 
 
 @dataclass
@@ -196,7 +200,9 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     hw = b.hw
     for j, fop in enumerate(ops):
         S = tokens * width * b.act_bytes
-        c_s = _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw)
+        # the experts' first repair is priced with the dispatch (moe_dispatch)
+        c_s = (np.zeros(B) if experts and j == 0
+               else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw))
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
         if fop.name == "attn_core":
@@ -210,22 +216,23 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         kvsum += oc.kv_bytes
         if b.detail:
             out.ops.append((fop.name, mode, oc, c_s))
-            out.collectives.append((fop.name, coll_codes[:, j], "tp", S, c_s))
+            if not (experts and j == 0):
+                out.collectives.append((fop.name, coll_codes[:, j], "tp", S, c_s))
         width = op_out_width(fop)
+    if experts:  # dispatch + combine over ep and the tp repairs around them (moe_dispatch)
+        t_x, rows = experts_exchange(table.ops, combo, b, b.detail)
+        total += t_x
+        if b.detail:
+            first = next(i for i, r in enumerate(rows) if r[0] == ops[0].name)
+            out.ops[0] = out.ops[0][:3] + (rows[first][4],)
+            out.collectives[:0] = rows[:first + 1]
+            out.collectives += rows[first + 1:]
+        return out
     S = tokens * width * b.act_bytes
     c_s = _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw)
     total += c_s
     if b.detail:
         out.collectives.append(("<end>", coll_codes[:, len(ops)], "tp", S, c_s))
-    if experts:  # dispatch + combine all-to-all over ep, per rank: T_local x top_k x hidden
-        local = b.tokens / np.where(res == 1, tp, 1)
-        S_a2a = local * b.top_k * b.hidden * b.act_bytes
-        a2a = coll.all_to_all(S_a2a, b.groups["ep"], hw)
-        total += 2 * a2a
-        if b.detail:
-            code = np.full(B, 4)
-            out.collectives.insert(0, ("dispatch", code, "ep", S_a2a, a2a))
-            out.collectives.append(("combine", code, "ep", S_a2a, a2a))
     return out
 
 
