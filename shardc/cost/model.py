@@ -98,15 +98,23 @@ class CostModel:
 
     Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element,
     default the graph's ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak),
-    ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`).
+    ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`), ``kernels``
+    (``"roofline"``, the default here, or ``"silicon"``: measured kernel times where the
+    tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
+    ``kernel_source`` says what prices the model (``"roofline"`` or
+    ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon.
     """
 
     def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
                  *, weight_bytes: float | None = None, kv_bytes: float | None = None,
                  act_bytes: float | None = None, fp8_gemm: bool = False,
-                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE):
+                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
+                 engine: str = "vllm"):
+        from shardc.cost.silicon import kernels_for
+
         self.graph, self.mesh, self.workload = graph, mesh, workload
         self.hw = load_hardware(hardware)
+        self.kernels, self.kernel_source, self.kernel_reason = kernels_for(self.hw, kernels, engine)
         cfg = graph.config
         dtype = float(cfg.get("dtype_bytes", 2) or 2)
         self.weight_bytes = float(weight_bytes or dtype)
@@ -202,7 +210,7 @@ class CostModel:
                   hidden=self.hidden, top_k=self.top_k, num_experts=self.num_experts,
                   weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
                   kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
-                  detail=detail)
+                  detail=detail, kernels=self.kernels)
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
