@@ -40,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    from shardc.commands.compile import add_kernel_arguments
+
+    add_kernel_arguments(p)
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
 
@@ -89,7 +92,9 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
                   tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]))
     space = StrategySpace(graph, mesh, wl)
-    objective = cost_model_objective(CostModel(graph, mesh, case["hardware"], wl), space)
+    cm = CostModel(graph, mesh, case["hardware"], wl, kernels=case.get("kernels", "silicon"),
+                   engine=case.get("engine", "vllm"))
+    objective = cost_model_objective(cm, space)
     rows, curves = [], {}
     for pol in policies:
         n = seeds if pol in SEEDED else 1
@@ -161,6 +166,7 @@ def run(args) -> int:
         cases = [c for c in cases if args.cases in c["name"]]
         if not cases:
             raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
+    cases = [{**c, "kernels": args.kernels, "engine": args.engine} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad:

@@ -44,6 +44,20 @@ def add_workload_arguments(p) -> None:
                    help="time per output token SLO (ms; 1000000 = no SLO)")
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
+    add_kernel_arguments(p)
+
+
+def add_kernel_arguments(p) -> None:
+    """``--kernels`` / ``--engine`` (SPEC section 10): what prices the ops."""
+    from shardc.cost.silicon import DEFAULT_ENGINE, DEFAULT_KERNELS, KERNEL_CHOICES
+    from shardc.cost.silicon_tables import ENGINES
+
+    p.add_argument("--kernels", default=DEFAULT_KERNELS, choices=list(KERNEL_CHOICES),
+                   help="silicon: NVIDIA's measured kernel latencies where they cover the "
+                        "hardware (h100, h200, b200 presets), roofline elsewhere; roofline: "
+                        "the datasheet roofline everywhere")
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES),
+                   help="whose measured kernels price the ops (with --kernels silicon)")
 
 
 def workload_from_args(args) -> Workload:
@@ -124,7 +138,7 @@ def run(args) -> int:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
-            degrees=fixed)
+            degrees=fixed, kernels=args.kernels, engine=args.engine)
     finally:
         if bar is not None:
             bar.close()

@@ -124,7 +124,7 @@ def run(args) -> int:
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
-    cm = CostModel(graph, mesh, hw, workload)
+    cm = CostModel(graph, mesh, hw, workload, kernels=args.kernels, engine=args.engine)
     space = StrategySpace(graph, mesh, workload)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:

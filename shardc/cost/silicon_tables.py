@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardc.cache import cache_dir, cache_enabled
+
 WHEEL = "aiconfigurator-core"
 WHEEL_VERSION = "0.12.0"
 SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm"}
@@ -95,8 +97,6 @@ def newest_table(root: Path, system: str, op: str, engine: str, filename: str):
 
 # ------------------------------------------------------------------------------ cache
 def cache_folder() -> Path:
-    from shardc.frontends.graph_cache import cache_dir
-
     return cache_dir() / "kernels"
 
 
@@ -108,8 +108,6 @@ def cache_path(system: str, engine: str) -> Path:
 def load_tables(hardware: str, engine: str) -> dict:
     """The grids of :data:`SYSTEMS` ``[hardware]`` for ``engine`` (see the module docstring),
     from the npz cache or built from the parquet tables (then cached)."""
-    from shardc.frontends.graph_cache import cache_enabled
-
     system = SYSTEMS[hardware]
     path = cache_path(system, engine)
     if cache_enabled() and path.is_file():
