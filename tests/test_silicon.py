@@ -198,3 +198,12 @@ def test_cli_kernels_and_engine_flags(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("shardc: error:") and "--engine" in err and "\n" == err[-1]
+
+
+def test_api_refuses_unknown_kernels_or_engine_before_tracing():
+    from shardc.errors import InputError
+
+    with pytest.raises(InputError, match=r"--kernels 'gpu': expected one of silicon, roofline"):
+        shardc.api.compile("does_not_exist.py", mesh="8x1", kernels="gpu")
+    with pytest.raises(InputError, match=r"--engine 'tgi'"):
+        shardc.api.compile("does_not_exist.py", mesh="8x1", engine="tgi")

@@ -117,6 +117,7 @@ def summary_table(plan) -> str:
         ["TTFT (ms)", number_or_dash(pred.get("ttft_ms"), ".1f")],
         ["memory/GPU (GB)", number_or_dash(pred.get("memory_gb_per_gpu"), ".1f")],
         ["vs Megatron heuristic", ratio or "-"],
+        ["kernels", str(pred.get("kernel_source") or "-")],
     ]
     if plan.search.get("chosen_from") == "megatron" and plan.search.get("policy") != "megatron":
         rows.append(["note", f"{plan.search['policy']} found nothing better than the Megatron "

@@ -103,6 +103,7 @@ def report(ex) -> str:
          f"(weights {mem['weights_gb']:.2f}, KV {mem['kv_cache_gb']:.2f}, "
          f"act {mem['activations_gb']:.2f}, workspace {mem['workspace_gb']:.1f})"],
         ["feasible", "yes" if ex.feasible else f"no: {ex.reason}"],
+        ["kernels", str(p.get("kernel_source") or "-")],
     ]
     out.append(tabulate(summary, tablefmt="simple"))
     return "\n".join(out)

@@ -77,14 +77,27 @@ def _interp_rows(grid: np.ndarray, curves: np.ndarray, rows: np.ndarray, x: np.n
     linear in log(size); above the grid proportional to size, below it held.
     Returns (seconds, inside the grid)."""
     x = np.asarray(x, dtype=np.float64)
-    lg = np.log(grid)
-    xc = np.clip(x, grid[0], grid[-1])
-    lx = np.log(xc)
-    j = np.clip(np.searchsorted(lg, lx, side="right") - 1, 0, len(grid) - 2)
+    lo, hi = grid[0], grid[-1]
+    lg = _log_grid(grid)
+    lx = np.log(np.minimum(np.maximum(x, lo), hi))
+    j = np.minimum(np.maximum(np.searchsorted(lg, lx, side="right") - 1, 0), len(grid) - 2)
     w = (lx - lg[j]) / (lg[j + 1] - lg[j])
     t = curves[rows, j] * (1.0 - w) + curves[rows, j + 1] * w
-    t = np.where(x > grid[-1], t * x / grid[-1], t)
-    return t, (x >= grid[0] * (1 - 1e-9)) & (x <= grid[-1] * (1 + 1e-9))
+    above = x > hi
+    if above.any():
+        t = np.where(above, t * x / hi, t)
+    return t, (x >= lo * (1 - 1e-9)) & (x <= hi * (1 + 1e-9))
+
+
+_LOG_GRIDS: dict = {}
+
+
+def _log_grid(grid: np.ndarray) -> np.ndarray:
+    """np.log(grid), computed once per grid array."""
+    lg = _LOG_GRIDS.get(id(grid))
+    if lg is None or lg[0] is not grid:
+        lg = _LOG_GRIDS[id(grid)] = (grid, np.log(grid))
+    return lg[1]
 
 
 def _unique_pairs(a, b):
@@ -114,7 +127,7 @@ class SiliconKernels:
         self.hw, self.engine, self.t = hw, engine, tables
         self.system = st.SYSTEMS[hw.name]
         self.versions = dict(str(v).split("=", 1) for v in tables.get("versions", []))
-        gemm_ver = self.versions.get("gemm", f"{engine}/?").split("/", 1)[1]
+        gemm_ver = self.versions.get("gemm", f"{engine}/?").split("/", 1)[1].split("+")[0]
         self.source = f"silicon:{engine}-{gemm_ver}:{self.system}"
         self._gemm_curves: dict = {}
         self._curve_sets: dict = {}
@@ -239,7 +252,7 @@ class SiliconKernels:
         code = np.asarray(code)
         nbytes = np.asarray(nbytes, dtype=np.float64)
         shape = np.broadcast(code, nbytes).shape
-        if "nccl" not in self.t:
+        if "nccl" not in self.t or not code.any():
             return np.full(shape, np.nan), np.full(shape, ROOFLINE)
         op = _NCCL_CODE[np.clip(code, 0, len(_NCCL_CODE) - 1)].astype(float)
         size = np.clip(np.broadcast_to(group.size, shape), 0, 64).astype(np.int64)
@@ -274,7 +287,7 @@ def _merge(oc, t, status, floor_s, b, op: str, table: str, shape: str, why: str)
     """``oc`` (the roofline OpCost) with its time replaced by the measured one where there
     is one (never below ``floor_s``); in detail mode records the source and any fallback."""
     measured = status != ROOFLINE
-    oc.time_s = np.where(measured, np.maximum(np.nan_to_num(t), floor_s), oc.time_s)
+    oc.time_s = np.where(measured, np.maximum(t, floor_s), oc.time_s)
     if b.detail:
         s0 = int(np.asarray(status).reshape(-1)[0])
         oc.source = STATUS_TEXT[s0]
@@ -332,7 +345,7 @@ def price_collective(roof_s, kind, nbytes, group, b, before: str):
 
     t, status = b.kernels.collective(kind, nbytes, group, cuda_graph=b.phase == "decode")
     active = np.asarray(kind) > 0
-    out = np.where((status != ROOFLINE) & active, np.nan_to_num(t), roof_s)
+    out = np.where((status != ROOFLINE) & active, t, roof_s)
     if b.detail and bool(np.asarray(active).reshape(-1)[0]):
         s0 = int(np.asarray(status).reshape(-1)[0])
         if s0 != MEASURED:

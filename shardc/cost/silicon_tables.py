@@ -3,8 +3,9 @@
 The wheel (Apache-2.0, pinned in pyproject) ships parquet tables under
 ``aiconfigurator_core/systems/data/<system>/<op>/<engine>/<version>/``. shardc reads the
 TABLES only (never the package's Python API): for one system and serving engine it takes, per
-op, the newest version folder holding the table, keeps the rows it prices with, and stores
-them as dense grids in a compact ``.npz`` under ``$SHARDC_CACHE_DIR/kernels`` (default
+op and shape, the rows of the newest version folder that measured that shape (the newest
+folder first; an older folder fills only the shapes a newer one lacks, since some newer
+folders re-measure a few shapes only), keeps the rows it prices with, and stores them as dense grids in a compact ``.npz`` under ``$SHARDC_CACHE_DIR/kernels`` (default
 ``~/.cache/shardc/graphs/kernels``), keyed by the wheel version, system, engine and this
 file's code, so a warm compile reads one small file and never imports pyarrow/pandas.
 
@@ -82,17 +83,41 @@ def version_key(v: str) -> tuple:
     return (nums, tag, int(m.group(3) or 0))
 
 
-def newest_table(root: Path, system: str, op: str, engine: str, filename: str):
-    """(path, version) of ``filename`` in the newest ``<op>/<engine>/<version>`` folder that
-    holds it, or (None, None)."""
+def table_versions(root: Path, system: str, op: str, engine: str, filename: str) -> list:
+    """[(path, version)] of ``filename`` in every ``<op>/<engine>/<version>`` folder that
+    holds it, newest first."""
     base = root / system / op / engine
     if not base.is_dir():
-        return None, None
-    for ver in sorted((p.name for p in base.iterdir() if p.is_dir()), key=version_key,
-                      reverse=True):
-        if (base / ver / filename).is_file():
-            return base / ver / filename, ver
-    return None, None
+        return []
+    vers = sorted((p.name for p in base.iterdir() if (p / filename).is_file()),
+                  key=version_key, reverse=True)
+    return [(base / v / filename, v) for v in vers]
+
+
+def read_newest(root: Path, system: str, op: str, engine: str, filename: str,
+                columns: list[str], key_cols: list[str], versions: dict, label: str):
+    """The rows of ``filename`` for ``engine``, each shape (``key_cols``) from the newest
+    version folder that measured it (a newer folder that re-measured a few shapes does not
+    hide the older folder's other shapes), or None if no folder holds the table.
+    ``versions[label]`` records the folders used, newest first."""
+    import pandas as pd
+
+    found = table_versions(root, system, op, engine, filename)
+    if not found:
+        return None
+    parts, seen, used = [], None, []
+    for path, ver in found:
+        df = _read(path, columns)
+        keys = pd.MultiIndex.from_frame(df[key_cols])
+        if seen is not None:
+            df = df[~keys.isin(seen)]
+            keys = pd.MultiIndex.from_frame(df[key_cols])
+        if len(df):
+            parts.append(df)
+            used.append(ver)
+            seen = keys.unique() if seen is None else seen.union(keys.unique())
+    versions[label] = f"{engine}/{'+'.join(used)}"
+    return pd.concat(parts, ignore_index=True)
 
 
 # ------------------------------------------------------------------------------ cache
@@ -176,11 +201,11 @@ def _grid(df, axes: list[str], value: str = "latency"):
 
 
 def _build_gemm(root, system, engine, out, versions):
-    path, ver = newest_table(root, system, "gemm", engine, "gemm_perf.parquet")
-    if path is None:
+    df = read_newest(root, system, "gemm", engine, "gemm_perf.parquet",
+                     ["gemm_dtype", "m", "n", "k", "latency"], ["gemm_dtype", "n", "k"],
+                     versions, "gemm")
+    if df is None:
         return
-    versions["gemm"] = f"{engine}/{ver}"
-    df = _read(path, ["gemm_dtype", "m", "n", "k", "latency"])
     for name, dts in _DTYPES.items():
         sub = df[df.gemm_dtype.isin(dts)]
         if sub.empty:
@@ -195,12 +220,13 @@ def _build_gemm(root, system, engine, out, versions):
 def _build_attention(root, system, engine, out, versions):
     for kind, fname, length in (("ctx_attn", "context_attention_perf.parquet", "isl"),
                                 ("gen_attn", "generation_attention_perf.parquet", "kvlen")):
-        path, ver = newest_table(root, system, "attention", engine, fname)
-        if path is None:
+        df = read_newest(root, system, "attention", engine, fname,
+                         ["batch_size", "isl", "step", "num_heads", "num_key_value_heads",
+                          "head_dim", "kv_cache_dtype", "window_size", "beam_width", "latency"],
+                         ["num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype"],
+                         versions, kind)
+        if df is None:
             continue
-        versions[kind] = f"{engine}/{ver}"
-        df = _read(path, ["batch_size", "isl", "step", "num_heads", "num_key_value_heads",
-                          "head_dim", "kv_cache_dtype", "window_size", "beam_width", "latency"])
         df = df[(df.window_size == 0) & (df.beam_width == 1)]
         df = df.assign(kvlen=df.isl + df.step, kv_fp8=(df.kv_cache_dtype == "fp8").astype(int))
         keys = ["num_heads", "num_key_value_heads", "head_dim", "kv_fp8"]
@@ -230,16 +256,15 @@ def _build_attention(root, system, engine, out, versions):
 
 
 def _build_moe(root, system, engine, out, versions):
-    path, ver = newest_table(root, system, "moe", engine, "moe_perf.parquet")
-    if path is None:
+    keys = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
+    df = read_newest(root, system, "moe", engine, "moe_perf.parquet",
+                     ["moe_dtype", "num_tokens", "distribution", "latency"] + keys,
+                     ["moe_dtype", "distribution"] + keys, versions, "moe")
+    if df is None:
         return
-    versions["moe"] = f"{engine}/{ver}"
-    df = _read(path, ["moe_dtype", "num_tokens", "hidden_size", "inter_size", "topk",
-                      "num_experts", "moe_tp_size", "moe_ep_size", "distribution", "latency"])
     df = df[df.distribution == "balanced"]
     tokens = np.array(sorted(df.num_tokens.unique()), dtype=np.float64)
     out["moe_tokens"] = tokens
-    keys = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
     for name, dts in _DTYPES.items():
         sub = df[df.moe_dtype.isin(dts)]
         key_rows, curves = [], []
@@ -265,10 +290,10 @@ def _build_comm(root, system, engine, out, versions):
                    ["op_name", "nccl_dtype", "num_gpus", "message_size", "latency"])
         df = df[df.nccl_dtype == "half"].assign(nbytes=lambda d: d.message_size * 2.0)
         _comm_curves(df, "op_name", {op: i for i, op in enumerate(NCCL_OPS)}, "nccl", out)
-    path, ver = newest_table(root, system, "comm", engine, "custom_allreduce_perf.parquet")
-    if path is not None:
-        versions["custom_allreduce"] = f"{engine}/{ver}"
-        df = _read(path, ["kernel_source", "num_gpus", "message_size", "latency"])
+    df = read_newest(root, system, "comm", engine, "custom_allreduce_perf.parquet",
+                     ["kernel_source", "num_gpus", "message_size", "latency"],
+                     ["kernel_source", "num_gpus"], versions, "custom_allreduce")
+    if df is not None:
         df = df.assign(nbytes=df.message_size * 2.0,  # bfloat16 elements
                        graph=(~df.kernel_source.str.contains("eager", case=False)).astype(int))
         _comm_curves(df, "graph", {0: 0, 1: 1}, "car", out)
