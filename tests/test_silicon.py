@@ -190,6 +190,8 @@ def test_cli_kernels_and_engine_flags(tmp_path, monkeypatch, capsys):
     assert main(base + ["--engine", "trtllm"]) == 0
     p = json.loads(out.read_text())["predicted"]
     assert p["kernel_source"].startswith("silicon:trtllm-") and p["kernel_source"].endswith("h100_sxm")
+    by_op = {r["op"]: r["kernel_source"] for r in p["breakdown"]["ops"]}
+    assert by_op["dense_block.qkv"] == "silicon" and by_op["embedding"] == "roofline"
     assert main(base + ["--kernels", "roofline"]) == 0
     assert json.loads(out.read_text())["predicted"]["kernel_source"] == "roofline"
     capsys.readouterr()

@@ -133,6 +133,9 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     breakdown.update(stage_ms=ex.stage_ms, memory=ex.memory, feasible=ex.feasible,
                      reason=ex.reason, hardware=cm.hw.name, phase=cm.workload.phase)
     breakdown["kernel_tables"] = (dict(cm.kernels.versions) if cm.kernels is not None else {})
+    breakdown["ops"] = [  # per fused op, one layer, one micro-batch: what priced it
+        {"op": r["op"] if r["layer_kind"] == "global" else f"{r['layer_kind']}.{r['op']}",
+         "time_ms": r["time_ms"], "kernel_source": r["kernel_source"]} for r in ex.ops]
     ex.predicted = dict(tok_s_per_gpu=_finite_or_none(float(ev.tok_s_per_gpu[0])),
                         tpot_ms=_finite_or_none(float(ev.tpot_ms[0])),
                         ttft_ms=_finite_or_none(float(ev.ttft_ms[0])),
