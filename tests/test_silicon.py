@@ -209,3 +209,21 @@ def test_api_refuses_unknown_kernels_or_engine_before_tracing():
         shardc.api.compile("does_not_exist.py", mesh="8x1", kernels="gpu")
     with pytest.raises(InputError, match=r"--engine 'tgi'"):
         shardc.api.compile("does_not_exist.py", mesh="8x1", engine="tgi")
+
+
+def test_mla_attention_uses_the_mla_tables_where_the_engine_has_them():
+    """DeepSeek-V3's MLA core: TRT-LLM ships MLA core tables (priced from them), vLLM ships
+    only whole-module MLA tables (roofline, logged with the reason)."""
+    g, mesh = fixture_graph("deepseek_v3"), Mesh(8, 16)
+    wl = Workload(context=4096, **NO_SLO)
+    space = StrategySpace(g, mesh, Workload(**{**wl.__dict__, "batch": 256}))
+    ch = dict(zip(space.op_slots, (int(c) for c in megatron_op_choices(space, 3))))
+    st = Strategy(Degrees(tp=8, ep=16, pp=1, dp=1), 256, ch)
+    trt = CostModel(g, mesh, "h100", wl, kernels="silicon", engine="trtllm").simulate(st)
+    vll = CostModel(g, mesh, "h100", wl, kernels="silicon", engine="vllm").simulate(st)
+    src = {(r["layer_kind"], r["op"]): r["kernel_source"] for r in trt.ops}
+    assert src[("moe_block", "attn_core")] == "silicon"
+    src = {(r["layer_kind"], r["op"]): r["kernel_source"] for r in vll.ops}
+    assert src[("moe_block", "attn_core")] == "roofline"
+    fb = [f for f in vll.predicted["kernel_fallbacks"] if f["op"] == "attn_core"]
+    assert fb and "MLA" in fb[0]["reason"]

@@ -189,7 +189,8 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
             b.context if b.phase == "decode" else b.prompt,
             np.where(by_heads, heads / b.tp, heads),
             np.where(by_heads, kv_heads / np.minimum(b.tp, kv_heads), kv_heads), hd,
-            not split_heads or hd != vhd, flops, traffic, b)
+            not split_heads or hd != vhd, flops, traffic, b,
+            mla_v3=not split_heads and kv_elems == 576)
     return oc
 
 

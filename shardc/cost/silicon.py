@@ -190,15 +190,16 @@ class SiliconKernels:
         return curves, inv, found[inv]
 
     def attention(self, phase: str, batch, length: float, heads, kv_heads, head_dim: int,
-                  kv_fp8: bool):
+                  kv_fp8: bool, mla: bool = False):
         """Attention core of ``batch`` sequences (arrays [B]) at ``length`` tokens (prompt
-        in prefill, KV length in decode) with per-GPU ``heads`` / ``kv_heads``."""
-        kind = "ctx_attn" if phase == "prefill" else "gen_attn"
+        in prefill, KV length in decode) with per-GPU ``heads`` / ``kv_heads`` (MLA: the
+        MLA tables of DeepSeek-V3's latent, keyed by heads per GPU; kv_heads = head_dim = 0)."""
+        kind = ("ctx_" if phase == "prefill" else "gen_") + ("mla" if mla else "attn")
         batch = np.asarray(batch, dtype=np.float64)
         if kind not in self.t:
             return np.full(batch.shape, np.nan), np.full(batch.shape, ROOFLINE)
         keys, grid_b, grid_l = self.t[f"{kind}_keys"], self.t[f"{kind}_batch"], self.t[f"{kind}_len"]
-        power = 2.0 if kind == "ctx_attn" else 1.0  # causal FLOPs ~ isl^2; KV reads ~ length
+        power = 2.0 if phase == "prefill" else 1.0  # causal FLOPs ~ isl^2; KV reads ~ length
 
         def build(key):
             i = _lookup(keys, np.array([key]))[0]
@@ -321,16 +322,19 @@ def price_expert(oc, op: str, share: float, tokens, hidden: int, inter: int, top
 
 
 def price_attention(oc, op: str, batch, length: float, heads, kv_heads, head_dim: int,
-                    mla: bool, flops, nbytes, b):
-    """The attention core (per-GPU heads / KV heads, ``batch`` sequences)."""
+                    mla: bool, flops, nbytes, b, mla_v3: bool = False):
+    """The attention core (per-GPU heads / KV heads, ``batch`` sequences); ``mla_v3``: an
+    MLA core with DeepSeek-V3's latent (the only one the MLA tables measure)."""
     kv_fp8 = b.kv_bytes <= 1
     shape = (f"{'context' if b.phase == 'prefill' else 'generation'} attention "
              f"batch={_fmt(batch)} length={_fmt(length)} heads={_fmt(heads)} "
              f"kv_heads={_fmt(kv_heads)} head_dim={head_dim} kv={'fp8' if kv_fp8 else 'bf16'}")
-    if mla:
-        t = np.full(np.shape(batch), np.nan)
-        status = np.full(np.shape(batch), ROOFLINE)
-        why = "MLA attention: only standard-attention kernel tables are used"
+    if mla:  # the tables hold MLA with DeepSeek-V3's latent (512 + rope 64)
+        t, status = b.kernels.attention(b.phase, batch, length, heads, 0, 0, kv_fp8, mla=True)
+        if not mla_v3:
+            status = np.full(np.shape(batch), ROOFLINE)
+        why = (f"{shape}: MLA attention is measured only with DeepSeek-V3's latent (512 + "
+               "rope 64), for engines with MLA core tables (trtllm, sglang)")
     else:
         t, status = b.kernels.attention(b.phase, batch, length, heads, kv_heads, head_dim,
                                         kv_fp8)

@@ -15,6 +15,9 @@ Grids (all latencies in SECONDS; sizes as the tables give them):
   ``fp8``);
 * ``ctx_attn`` / ``gen_attn``: keys ``[A, 4]`` (heads, kv_heads, head_dim, kv_fp8) -> ``[A,
   batch, length]`` (context: ``isl``; generation: KV length = isl + step);
+* ``ctx_mla`` / ``gen_mla``: the MLA attention core with DeepSeek-V3's latent (512 + rope
+  64), keys ``[A, 4]`` (heads per GPU, 0, 0, kv_fp8; the tables sweep the heads per GPU),
+  grids as for attention (engines whose tables have it: trtllm, sglang);
 * ``moe_<dtype>``: keys ``[E, 6]`` (hidden, inter, topk, experts, moe_tp, moe_ep) -> ``[E,
   num_tokens]`` (balanced routing; ``num_tokens`` = tokens entering the layer over the whole
   EP group; the latency is one rank's grouped GEMMs of both expert matrices);
@@ -155,6 +158,10 @@ def _store(path: Path, tables: dict) -> None:
         with os.fdopen(fd, "wb") as fh:
             np.savez_compressed(fh, **tables)
         os.replace(tmp, path)
+        system_engine = path.name.split("-")[:2]
+        for old in path.parent.glob(f"{'-'.join(system_engine)}-*.npz"):
+            if old != path:  # an older wheel or loader: never read again
+                old.unlink(missing_ok=True)
     except OSError:
         if tmp is not None:
             try:
@@ -217,7 +224,9 @@ def _build_gemm(root, system, engine, out, versions):
         out["gemm_m"], out["gemm_n"], out["gemm_k"] = m, n, k
 
 
-def _build_attention(root, system, engine, out, versions):
+def _attention_frames(root, system, engine, versions):
+    """(kind, length column, rows with columns num_heads, num_key_value_heads, head_dim,
+    kv_fp8, batch_size, isl, kvlen, latency) of the attention and MLA tables."""
     for kind, fname, length in (("ctx_attn", "context_attention_perf.parquet", "isl"),
                                 ("gen_attn", "generation_attention_perf.parquet", "kvlen")):
         df = read_newest(root, system, "attention", engine, fname,
@@ -225,9 +234,22 @@ def _build_attention(root, system, engine, out, versions):
                           "head_dim", "kv_cache_dtype", "window_size", "beam_width", "latency"],
                          ["num_heads", "num_key_value_heads", "head_dim", "kv_cache_dtype"],
                          versions, kind)
-        if df is None:
-            continue
-        df = df[(df.window_size == 0) & (df.beam_width == 1)]
+        if df is not None:
+            df = df[(df.window_size == 0) & (df.beam_width == 1)]
+            yield kind, length, df
+    for kind, fname, length in (("ctx_mla", "context_mla_perf.parquet", "isl"),
+                                ("gen_mla", "generation_mla_perf.parquet", "kvlen")):
+        df = read_newest(root, system, "mla", engine, fname,
+                         ["batch_size", "isl", "step", "num_heads", "tp_size", "mla_dtype",
+                          "kv_cache_dtype", "latency"],
+                         ["num_heads", "tp_size", "mla_dtype", "kv_cache_dtype"], versions, kind)
+        if df is not None:
+            df = df[df.mla_dtype == "bfloat16"]
+            yield kind, length, df.assign(num_key_value_heads=0, head_dim=0)
+
+
+def _build_attention(root, system, engine, out, versions):
+    for kind, length, df in _attention_frames(root, system, engine, versions):
         df = df.assign(kvlen=df.isl + df.step, kv_fp8=(df.kv_cache_dtype == "fp8").astype(int))
         keys = ["num_heads", "num_key_value_heads", "head_dim", "kv_fp8"]
         batch = np.array(sorted(df.batch_size.unique()), dtype=np.float64)
