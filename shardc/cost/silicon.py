@@ -13,7 +13,8 @@ What is priced from the tables (one GPU, one micro-batch, the shapes of
   n = its weight elements per GPU / k (for a plain linear exactly its output features);
 * the attention core: context attention (batch = sequences, isl = prompt) in prefill,
   generation attention (batch, KV length = context) in decode, at the per-GPU heads / KV heads;
-  exact match on (heads, KV heads, head dim, KV dtype);
+  exact match on (heads, KV heads, head dim, KV dtype); an MLA core with DeepSeek-V3's latent
+  from the MLA tables (heads per GPU, KV dtype) where the engine has them;
 * an expert op as its share (its FLOPs over both expert matrices') of the grouped MoE
   kernel, exact match on (hidden, inter, top-k, experts, moe_tp = the op's weight split,
   moe_ep = ep), num_tokens = tokens entering the layer over the EP group x imbalance;
@@ -25,9 +26,9 @@ Interpolation is piecewise linear in log(size) over the measured grid (exact on 
 monotone between them). Outside the grid on a size axis the time scales proportionally from
 the largest measured size (m, tokens, batch, bytes, n, k: the throughput-bound regime where
 the roofline is proportional too) or holds at the smallest, and the op is recorded as
-extrapolated; a shape with no measured row (other heads, other expert configs, MLA, groups
-across nodes or of untabled size) and ops with no table (embedding gather, norms, pipeline
-send) use the roofline, recorded with the reason. No measured time is allowed below the
+extrapolated; a shape with no measured row (other heads, other expert configs, MLA on an
+engine without MLA core tables, groups across nodes or of untabled size) and ops with no
+table (embedding gather, norms, pipeline send, the expert all-to-all) use the roofline, recorded with the reason. No measured time is allowed below the
 physics floor ``max(FLOPs / peak, bytes / HBM peak)``.
 """
 
