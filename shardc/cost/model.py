@@ -115,6 +115,7 @@ class CostModel:
         self.graph, self.mesh, self.workload = graph, mesh, workload
         self.hw = load_hardware(hardware)
         self.kernels, self.kernel_source, self.kernel_reason = kernels_for(self.hw, kernels, engine)
+        self.kernel_options = {"kernels": kernels, "engine": engine}
         cfg = graph.config
         dtype = float(cfg.get("dtype_bytes", 2) or 2)
         self.weight_bytes = float(weight_bytes or dtype)

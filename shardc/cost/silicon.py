@@ -90,6 +90,18 @@ def _interp_rows(grid: np.ndarray, curves: np.ndarray, rows: np.ndarray, x: np.n
     return t, (x >= lo * (1 - 1e-9)) & (x <= hi * (1 + 1e-9))
 
 
+def interp_log(grid: np.ndarray, curve: np.ndarray, x):
+    """A measured latency ``curve`` over a size ``grid`` at sizes ``x``: piecewise linear in
+    log(size), proportional to size above the grid, held below it. Returns (seconds, inside
+    the grid). The lookup every table here uses, for other measured tables (e.g. the expert
+    all-to-all)."""
+    x = np.asarray(x, dtype=np.float64)
+    t, inside = _interp_rows(np.asarray(grid, dtype=np.float64),
+                             np.asarray(curve, dtype=np.float64)[None, :],
+                             np.zeros(x.shape, dtype=np.int64), x)
+    return t, inside
+
+
 _LOG_GRIDS: dict = {}
 
 
