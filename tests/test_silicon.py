@@ -130,10 +130,12 @@ def test_user_hardware_is_priced_by_the_roofline(tmp_path):
     g, mesh = fixture_graph("llama3_70b"), Mesh(8, 1)
     cm = CostModel(g, mesh, str(f), Workload(), kernels="silicon")
     assert cm.kernels is None and cm.kernel_source == "roofline"
-    assert "not a measured preset" in cm.kernel_reason
+    assert "differs from the h100 preset" in cm.kernel_reason
     # a preset changed in memory is not the measured GPU either
     k, source, _ = kernels_for(dataclasses.replace(load_hardware("h100"), hbm_tb_s=9.0))
     assert k is None and source == "roofline"
+    k, source, reason = kernels_for(dataclasses.replace(load_hardware("h100"), name="mi300"))
+    assert k is None and source == "roofline" and "not a measured preset" in reason
 
 
 @pytest.mark.parametrize("name", ["llama3_70b", "mixtral_8x7b"])

@@ -58,9 +58,12 @@ def kernels_for(hw, kernels: str = DEFAULT_KERNELS, engine: str = DEFAULT_ENGINE
     if kernels == "roofline":
         return None, "roofline", "--kernels roofline"
     name = getattr(hw, "name", "")
-    if name not in st.SYSTEMS or name not in preset_names() or load_hardware(name) != hw:
+    if name not in st.SYSTEMS or name not in preset_names():
         return None, "roofline", (f"hardware {name!r} is not a measured preset "
-                                  f"({', '.join(st.SYSTEMS)} unchanged)")
+                                  f"({', '.join(st.SYSTEMS)})")
+    if load_hardware(name) != hw:
+        return None, "roofline", (f"hardware {name!r} differs from the {name} preset the "
+                                  "tables were measured on (changed by a TOML file)")
     key = (name, engine)
     if key not in _CACHE:
         try:
