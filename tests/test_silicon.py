@@ -248,3 +248,19 @@ def test_published_points_with_measured_kernels(monkeypatch):
     for r in rows:
         lo, hi = bands.get(r["case"], (0.7, 1.3))
         assert lo <= r["ratio"] <= hi, f"{r['case']}: ratio {r['ratio']:.2f} outside [{lo}, {hi}]"
+
+
+def test_exact_search_stays_exact_with_measured_kernels():
+    """Measured times depend only on a branch's own choices and are non-decreasing in batch,
+    so the decomposed exact search still equals brute force over the whole legal space."""
+    from shardc.search import cost_model_objective, run_search
+    from shardc.search.synthetic import toy_graph
+
+    g = toy_graph(layers=8, hidden=8192, heads=64, experts=8, ffn=28672, vocab=32000)
+    wl = Workload(phase="decode", batch=None, context=4096, prompt=2048, tpot_slo_ms=30)
+    space = StrategySpace(g, Mesh.parse("8x1"), wl)
+    obj = cost_model_objective(CostModel(g, space.mesh, "h100", wl, kernels="silicon"), space)
+    fast = run_search("exact", space, obj)
+    brute = run_search("exact", space, obj, decompose=False, monotone_batch=False)
+    assert np.isfinite(fast.best_value) and fast.evaluations < brute.evaluations
+    assert fast.best_value == pytest.approx(brute.best_value, rel=1e-12)
