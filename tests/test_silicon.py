@@ -264,3 +264,24 @@ def test_exact_search_stays_exact_with_measured_kernels():
     brute = run_search("exact", space, obj, decompose=False, monotone_batch=False)
     assert np.isfinite(fast.best_value) and fast.evaluations < brute.evaluations
     assert fast.best_value == pytest.approx(brute.best_value, rel=1e-12)
+
+
+def test_tables_match_the_raw_parquet_rows(h100):
+    """The cached grids are the wheel's measured rows (ms -> s; n and k not swapped; the
+    attention key order as named), checked on shapes where the cleaning changes nothing."""
+    import pandas as pd
+
+    root = silicon_tables.data_root() / "h100_sxm"
+    g = pd.read_parquet(root / "gemm" / "vllm" / "0.24.0" / "gemm_perf.parquet")
+    g = g[g.gemm_dtype == "bfloat16"]
+    for m, n, k in [(4096, 1024, 8192), (4096, 8192, 1024), (16384, 3584, 8192)]:
+        raw = g[(g.m == m) & (g.n == n) & (g.k == k)].latency.min() * 1e-3
+        got, _ = h100.gemm(np.array([float(m)]), float(n), float(k), fp8=False)
+        assert got[0] == pytest.approx(raw, rel=1e-9)
+    a = pd.read_parquet(root / "attention" / "vllm" / "0.24.0" / "generation_attention_perf.parquet")
+    row = a[(a.num_heads == 8) & (a.num_key_value_heads == 1) & (a.head_dim == 128)
+            & (a.kv_cache_dtype == "bfloat16") & (a.window_size == 0) & (a.batch_size == 64)
+            & (a.step == 4095)]
+    got, status = h100.attention("decode", np.array([64.0]), 4096.0, 8, 1, 128, False)
+    assert status[0] == MEASURED
+    assert got[0] == pytest.approx(row.latency.min() * 1e-3, rel=1e-9)
