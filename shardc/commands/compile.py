@@ -45,6 +45,7 @@ def add_workload_arguments(p) -> None:
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
     add_quantisation_arguments(p)
+    add_kernel_arguments(p)
 
 
 def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
@@ -53,6 +54,19 @@ def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
                    help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak")
     p.add_argument("--kv-cache", default=default, choices=list(QUANT_FORMATS),
                    help="KV-cache format: fp8 = 1 byte per cached element")
+
+
+def add_kernel_arguments(p) -> None:
+    """``--kernels`` / ``--engine`` (SPEC section 10): what prices the ops."""
+    from shardc.cost.silicon import DEFAULT_ENGINE, DEFAULT_KERNELS, KERNEL_CHOICES
+    from shardc.cost.silicon_tables import ENGINES
+
+    p.add_argument("--kernels", default=DEFAULT_KERNELS, choices=list(KERNEL_CHOICES),
+                   help="silicon: NVIDIA's measured kernel latencies where they cover the "
+                        "hardware (h100, h200, b200 presets), roofline elsewhere; roofline: "
+                        "the datasheet roofline everywhere")
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES),
+                   help="whose measured kernels price the ops (with --kernels silicon)")
 
 
 def workload_from_args(args) -> Workload:
@@ -111,6 +125,7 @@ def summary_table(plan) -> str:
         ["memory/GPU (GB)", number_or_dash(pred.get("memory_gb_per_gpu"), ".1f")],
         ["vs Megatron heuristic", ratios.get("megatron", "-")],
         ["vs best practice", ratios.get("best_practice", "-")],
+        ["kernels", str(pred.get("kernel_source") or "-")],
     ]
     if "stronger" in ratios:
         rows.append([f"gain vs stronger baseline ({BASELINE_NAMES[ratios['stronger']]})",
@@ -158,7 +173,7 @@ def run(args) -> int:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
-            degrees=fixed)
+            degrees=fixed, kernels=args.kernels, engine=args.engine)
     finally:
         if bar is not None:
             bar.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost import collectives as coll
+from shardc.cost import silicon
 from shardc.cost.branch_tables import BranchTable
 from shardc.cost.moe_dispatch import experts_exchange
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
@@ -62,6 +63,8 @@ class Batch:
     expert_imbalance: np.ndarray | float = 1.0  # busiest ep rank's routed rows / mean
     fp8_dispatch: bool = False  # MoE dispatch in FP8 (combine stays at act_bytes)
     moe_layouts: str = "backend"  # moe_dispatch.LAYOUT_RULES
+    kernels: object = None  # silicon.SiliconKernels (measured kernel times) or None: roofline
+    fallbacks: list = field(default_factory=list)  # detail: ops the tables did not price
 
 
 @dataclass
@@ -73,6 +76,7 @@ class OpCost:
     time_s: np.ndarray
     weight_bytes: np.ndarray
     kv_bytes: np.ndarray
+    source: str = "roofline"  # detail: what priced time_s (silicon.STATUS_TEXT)
 
 
 @dataclass
@@ -110,16 +114,22 @@ def linear_cost(fop: FusedOp, div: np.ndarray, tokens, b: Batch) -> OpCost:
     if fop.name == "embedding":  # a row gather: no FLOPs, reads T rows of the local shard
         comp = np.zeros_like(act)
         mem = memory_time(tokens / d_tok * fop.out_features / d_out * (b.weight_bytes + b.act_bytes), b.hw)
-    else:
-        flops = tokens * _flops_per_token(fop) * (sh / d_flop + (1.0 - sh) / d_tok)
-        eff = gemm_flop_efficiency(tokens / d_tok, fop.in_features * fop.out_features * w_frac, b.hw)
-        comp = compute_time(flops, eff, b.gemm_peak)
-        mem = memory_time(wbytes + act, b.hw)
-    return OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+        return OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+    flops = tokens * _flops_per_token(fop) * (sh / d_flop + (1.0 - sh) / d_tok)
+    eff = gemm_flop_efficiency(tokens / d_tok, fop.in_features * fop.out_features * w_frac, b.hw)
+    comp = compute_time(flops, eff, b.gemm_peak)
+    mem = memory_time(wbytes + act, b.hw)
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+    if b.kernels is not None:
+        k = fop.in_features / d_in
+        oc = silicon.price_linear(oc, fop.name, tokens / d_tok, wbytes / b.weight_bytes / k, k,
+                                  flops, wbytes + act, b)
+    return oc
 
 
-def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch) -> OpCost:
-    """Grouped expert GEMM on one ep rank: its num_experts/ep experts, tokens T_e."""
+def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch, branch_ops=()) -> OpCost:
+    """Grouped expert GEMM on one ep rank: its num_experts/ep experts, tokens T_e
+    (``branch_ops``: the experts branch's ops, for the measured MoE kernel's split)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     E = max(int(fop.attrs.get("num_experts", b.num_experts) or 1), 1)
     k = max(int(fop.attrs.get("top_k", b.top_k) or 1), 1)
@@ -136,7 +146,13 @@ def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch) -> OpCost:
     comp = compute_time(flops, eff, b.gemm_peak)
     act = te * (fop.in_features / d_in + fop.out_features / d_out) * b.act_bytes
     mem = memory_time(w_read + act, b.hw)
-    return OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), w_res, np.zeros_like(w_res))
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), w_res, np.zeros_like(w_res))
+    ffn2 = [o for o in branch_ops if o.name == "expert_ffn2"]
+    if b.kernels is not None and ffn2:
+        share = _flops_per_token(fop) / sum(_flops_per_token(o) for o in branch_ops)
+        oc = silicon.price_expert(oc, fop.name, share, te / k * b.ep / d_tok, b.hidden,
+                                  ffn2[0].in_features, k, E, d_w, flops, w_read + act, b)
+    return oc
 
 
 def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
@@ -169,17 +185,33 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     mem = memory_time(traffic, b.hw)
     kv_res = b.seqs_resident * b.kv_context * kv_elems * b.kv_bytes * kv_frac
     zero = np.zeros_like(kv_res)
-    return OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
+    if b.kernels is not None:
+        by_heads = mode == SHARD_BOTH
+        oc = silicon.price_attention(
+            oc, fop.name, b.seqs / np.where(mode == TOKEN_SPLIT, b.tp, 1.0),
+            b.context if b.phase == "decode" else b.prompt,
+            np.where(by_heads, heads / b.tp, heads),
+            np.where(by_heads, kv_heads / np.minimum(b.tp, kv_heads), kv_heads), hd,
+            not split_heads or hd != vhd, flops, traffic, b,
+            mla_v3=not split_heads and kv_elems == 576)
+    return oc
 
 
-def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw) -> np.ndarray:
-    """Seconds of the collective code ``kind`` (per strategy) on ``S`` full-tensor bytes."""
+def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw, b: Batch | None = None,
+                     before: str = "") -> np.ndarray:
+    """Seconds of the collective code ``kind`` (per strategy) on ``S`` full-tensor bytes
+    (measured where ``b.kernels`` covers it)."""
     ag = coll.all_gather(S, group, hw)
     base = hw.collective_base_us * 1e-6
     ar = np.where(group.size > 1, 2 * ag - base, 0.0)  # all_reduce = 2 x (AG - a0) + a0
     a2a = coll.all_to_all(S / group.size, group, hw)
-    return np.select([kind == coll.ALL_GATHER, kind == coll.REDUCE_SCATTER,
-                      kind == coll.ALL_REDUCE, kind == coll.ALL_TO_ALL], [ag, ag, ar, a2a], 0.0)
+    t = np.select([kind == coll.ALL_GATHER, kind == coll.REDUCE_SCATTER,
+                   kind == coll.ALL_REDUCE, kind == coll.ALL_TO_ALL], [ag, ag, ar, a2a], 0.0)
+    if b is not None and b.kernels is not None:
+        msg = np.where(kind == coll.ALL_TO_ALL, S / group.size, S)
+        t = silicon.price_collective(t, np.where(group.size > 1, kind, 0), msg, group, b, before)
+    return t
 
 
 def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.ndarray,
@@ -202,13 +234,13 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         S = tokens * width * b.act_bytes
         # the experts' first repair is priced with the dispatch (moe_dispatch)
         c_s = (np.zeros(B) if experts and j == 0
-               else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw))
+               else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw, b, fop.name))
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
         if fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
         elif fop.name in EXPERT_OPS:
-            oc = expert_cost(fop, div, b)
+            oc = expert_cost(fop, div, b, ops)
         else:
             oc = linear_cost(fop, div, tokens, b)
         total += c_s + oc.time_s
@@ -229,7 +261,7 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
             out.collectives += rows[first + 1:]
         return out
     S = tokens * width * b.act_bytes
-    c_s = _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw)
+    c_s = _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw, b, f"end of {branch}")
     total += c_s
     if b.detail:
         out.collectives.append(("<end>", coll_codes[:, len(ops)], "tp", S, c_s))

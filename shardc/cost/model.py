@@ -103,16 +103,25 @@ class CostModel:
     "fp8"``), ``fp8_dispatch`` (MoE dispatch in FP8, :mod:`shardc.cost.moe_dispatch`;
     default: as ``fp8_gemm``), ``moe_layouts`` (the tensor layouts the MoE exchange may
     cross at, :data:`shardc.cost.moe_dispatch.LAYOUT_RULES`; default ``"backend"``, what the
-    emitted code runs), ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`).
+    emitted code runs), ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`), ``kernels``
+    (``"roofline"``, the default here, or ``"silicon"``: measured kernel times where the
+    tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
+    ``kernel_source`` says what prices the model (``"roofline"`` or
+    ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon.
     """
 
     def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
                  *, weight_bytes: float | None = None, kv_bytes: float | None = None,
                  act_bytes: float | None = None, fp8_gemm: bool | None = None,
                  fp8_dispatch: bool | None = None, moe_layouts: str = "backend",
-                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE):
+                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
+                 engine: str = "vllm"):
+        from shardc.cost.silicon import kernels_for
+
         self.graph, self.mesh, self.workload = graph, mesh, workload
         self.hw = load_hardware(hardware)
+        self.kernels, self.kernel_source, self.kernel_reason = kernels_for(self.hw, kernels, engine)
+        self.kernel_options = {"kernels": kernels, "engine": engine}
         cfg = graph.config
         dtype = float(cfg.get("dtype_bytes", 2) or 2)
         self.weight_bytes = float(weight_bytes or format_bytes(workload.weights, dtype))
@@ -213,7 +222,7 @@ class CostModel:
                   weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
                   kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
                   detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
-                  moe_layouts=self.moe_layouts)
+                  moe_layouts=self.moe_layouts, kernels=self.kernels)
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
