@@ -165,8 +165,10 @@ def kernel_fallbacks(cm, b) -> list[dict]:
         "op": "embedding, norms, residual adds, pipeline send/recv", "shape": "",
         "source": "roofline", "reason": "no measured table for these kernels"}]
     if float(np.asarray(b.ep).reshape(-1)[0]) > 1:
-        out.append({"op": "ep dispatch/combine all_to_all", "shape": "", "source": "roofline",
-                    "reason": "expert all-to-all is priced by the alpha-beta model"})
+        out.append({"op": "ep dispatch/combine all_to_all", "shape": "",
+                    "source": "deepep-model",
+                    "reason": "expert all-to-all is priced by shardc's DeepEP model "
+                              "(shardc.cost.moe_dispatch), not a measured table"})
     seen, unique = set(), []
     for row in out:
         key = (row["op"], row["shape"])
