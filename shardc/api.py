@@ -51,22 +51,24 @@ def check_backend_support(model) -> None:
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
             seed: int = 0, progress=None, name: str | None = None,
-            degrees: str | dict | None = None):
+            degrees: str | dict | None = None, allow_cross_node_tp: bool = False):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
 
     ``degrees`` fixes any subset of tp, ep, pp, dp, sp (``"tp=8,pp=2"`` or a dict); the
     search explores the rest. Raises InputError (bad input) or InfeasibleError (nothing
-    fits; says what is short).
+    fits; says what is short). tp stays inside one node's NVLink domain unless
+    ``allow_cross_node_tp``.
     """
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
-                                budget, seed, progress, name, degrees=degrees)[0]
+                                budget, seed, progress, name, degrees=degrees,
+                                allow_cross_node_tp=allow_cross_node_tp)[0]
 
 
 def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          hardware: str = "h100", workload: Workload | None = None,
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
                          name: str | None = None, check_backend: bool = True,
-                         degrees: str | dict | None = None):
+                         degrees: str | dict | None = None, allow_cross_node_tp: bool = False):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
@@ -92,7 +94,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
-                          seed=int(seed), progress=progress, fixed=fixed)
+                          seed=int(seed), progress=progress, fixed=fixed,
+                          allow_cross_node_tp=bool(allow_cross_node_tp))
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
     mega = outcome.megatron
@@ -105,6 +108,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,
         "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
+        "allow_cross_node_tp": bool(allow_cross_node_tp),
     }
     if fixed:
         search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}

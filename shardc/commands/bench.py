@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardc.commands.compile import add_cross_node_tp_argument
 from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
@@ -40,6 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    add_cross_node_tp_argument(p)
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
 
@@ -78,8 +80,8 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     """All policies on one case -> {"rows": [...], "curves": {policy: seed-0 curve}}."""
     import numpy as np
 
-    from shardc.cost import CostModel
-    from shardc.ir.space import StrategySpace
+    from shardc.cost import CostModel, load_hardware
+    from shardc.ir.space import StrategySpace, nvlink_tp_domain
     from shardc.ir.strategy import Mesh, Workload
     from shardc.search import run_search
     from shardc.search.objective import cost_model_objective
@@ -88,8 +90,10 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     mesh = Mesh.parse(case["mesh"])
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
                   tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]))
-    space = StrategySpace(graph, mesh, wl)
-    objective = cost_model_objective(CostModel(graph, mesh, case["hardware"], wl), space)
+    hw = load_hardware(case["hardware"])
+    domain = nvlink_tp_domain(mesh, hw.nvlink_domain, bool(case.get("allow_cross_node_tp")))
+    space = StrategySpace(graph, mesh, wl, tp_domain=domain)
+    objective = cost_model_objective(CostModel(graph, mesh, hw, wl), space)
     rows, curves = [], {}
     for pol in policies:
         n = seeds if pol in SEEDED else 1
@@ -161,6 +165,8 @@ def run(args) -> int:
         cases = [c for c in cases if args.cases in c["name"]]
         if not cases:
             raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
+    if args.allow_cross_node_tp:
+        cases = [{**c, "allow_cross_node_tp": True} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad:

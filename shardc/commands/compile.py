@@ -67,6 +67,13 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--standalone", action="store_true",
                    help="parallelize.py on torch's parallel API importing only torch")
+    add_cross_node_tp_argument(p)
+
+
+def add_cross_node_tp_argument(p) -> None:
+    """``--allow-cross-node-tp`` (compile, simulate, bench)."""
+    p.add_argument("--allow-cross-node-tp", action="store_true",
+                   help="let tp groups span nodes (default: tp stays inside one NVLink domain)")
 
 
 def _progress_bar(budget: int, quiet: bool):
@@ -124,7 +131,7 @@ def run(args) -> int:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
-            degrees=fixed)
+            degrees=fixed, allow_cross_node_tp=args.allow_cross_node_tp)
     finally:
         if bar is not None:
             bar.close()

@@ -45,6 +45,24 @@ def check_positions(graph: Graph, workload: Workload) -> None:
                          f"max_position_embeddings {limit}")
 
 
+def nvlink_tp_domain(mesh: Mesh, nvlink_domain: int, allow_cross_node_tp: bool = False
+                     ) -> int | None:
+    """GPUs a tp group may span: one node's NVLink domain, ``min(G, nvlink_domain)`` (the
+    hardware's NVLink domain size in GPUs), so tensor parallelism -- collectives on every
+    layer -- never runs over the scale-out network; None (no limit) with
+    ``allow_cross_node_tp`` (``--allow-cross-node-tp``). tp must divide the domain (tp is the
+    innermost mesh dim, so its groups then never straddle a node)."""
+    if allow_cross_node_tp:
+        return None
+    return max(1, min(int(mesh.gpus_per_node), int(nvlink_domain)))
+
+
+def cross_node_tp_note(tp_domain: int) -> str:
+    """Why a tp degree is not searched (the infeasibility and --degrees messages say it)."""
+    return (f"tp is kept inside one NVLink domain ({tp_domain} GPUs; tp must divide it); "
+            "--allow-cross-node-tp lets tp span nodes")
+
+
 @dataclass
 class StrategySpace:
     graph: Graph
@@ -57,13 +75,17 @@ class StrategySpace:
     # search explores the rest
     fixed: dict[str, int] = field(default_factory=dict)
     replica_gpus: int | None = None  # tp * ep * pp when dp is fixed
+    # GPUs one tp group may span (:func:`nvlink_tp_domain`: tp must divide it); None = any
+    # (``--allow-cross-node-tp``, or a caller pricing a given strategy)
+    tp_domain: int | None = None
 
     def __post_init__(self):
         check_positions(self.graph, self.workload)
         g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
         hidden = int(cfg.get("hidden", 0)) or 1
         experts = int(cfg.get("num_experts", 0) or 0)
-        tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0]
+        tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0
+              and (self.tp_domain is None or self.tp_domain % d == 0)]
         ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
         pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
         sp = [0, 1] if self.workload.phase == "prefill" else [0]
@@ -94,6 +116,10 @@ class StrategySpace:
                       if experts else "the model has no experts (ep must be 1)"),
                "pp": f"pp must divide the GPU count {world} and be at most {min(MAX_PP, layers)}"}
         out = {"tp": tp, "ep": ep, "pp": pp}
+        t = f.get("tp", 1)
+        if (self.tp_domain is not None and self.tp_domain % t and not world % t
+                and not hidden % t and t <= MAX_TP):  # possible, but spans nodes
+            raise InputError(f"--degrees tp={f['tp']}: {cross_node_tp_note(self.tp_domain)}")
         for name, values in out.items():
             if name in f:
                 if f[name] not in values:
