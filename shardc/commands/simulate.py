@@ -128,8 +128,6 @@ def run(args) -> int:
     workload = workload_from_args(args)
     hw = load_hardware(args.hardware)
     deg = _degrees(args.degrees, mesh)
-    if deg.sp > 1 and workload.phase != "prefill":
-        raise InputError("--degrees sp: sequence parallel is only modelled in prefill")
     graph = load_model_graph(args.model)
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:

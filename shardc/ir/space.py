@@ -88,7 +88,9 @@ class StrategySpace:
               and (self.tp_domain is None or self.tp_domain % d == 0)]
         ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
         pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
-        sp = [0, 1] if self.workload.phase == "prefill" else [0]
+        # sequence parallel (residual token-split between tp regions) in both phases; in
+        # decode the tokens are the batch's sequences (one new token each)
+        sp = [0, 1]
         if self.fixed:
             tp, ep, pp, sp = self._apply_fixed(tp, ep, pp, sp, hidden, experts)
         if self.workload.batch is not None:
@@ -134,8 +136,6 @@ class StrategySpace:
                 raise InputError(f"--degrees dp={f['dp']}: no tp x ep x pp here makes "
                                  f"{self.replica_gpus} GPUs per replica")
         if "sp" in f and f["sp"] != 1:
-            if self.workload.phase != "prefill":
-                raise InputError("--degrees sp: sequence parallel applies to prefill only")
             if f["sp"] != SP_ON and ("tp" not in f or f["sp"] != f["tp"]):
                 raise InputError(f"--degrees sp={f['sp']}: sp is 1 (off) or equal to tp (on)")
             sp = [1]
