@@ -25,7 +25,13 @@ from shardc.cost import collectives as coll
 from shardc.cost.branch_tables import BranchTable
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
-from shardc.ir.contract import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT
+from shardc.ir.contract import (
+    MODE_EXPONENTS,
+    SHARD_BOTH,
+    SHARD_OUT,
+    TOKEN_SPLIT,
+    kv_head_replicas,
+)
 from shardc.ir.graph import FusedOp
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
@@ -168,6 +174,33 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     return OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
 
 
+def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
+                          ) -> np.ndarray | None:
+    """GQA with tp > kv_heads (:func:`shardc.ir.contract.kv_head_replicas`): under a heads
+    split fed by a column-split qkv each rank holds its 1/tp of the query heads and one whole
+    KV head (each KV head repeated tp / kv_heads times before the split, as vLLM places it),
+    so qkv's weights, FLOPs and output -- the attention core's input -- divide by
+    ``tp / (1 + kv_share x (replicas - 1))``, ``kv_share`` = the K/V fraction of qkv's output
+    features. Returns that divisor [B] where it applies and ``tp`` elsewhere, or None when no
+    strategy of the batch replicates KV heads. ``modes`` [B, m]: the attention branch's."""
+    names = [o.name for o in ops]
+    if "qkv" not in names or "attn_core" not in names:
+        return None
+    qkv, core = ops[names.index("qkv")], ops[names.index("attn_core")]
+    a = core.attrs
+    heads = int(a.get("heads", 1) or 1)
+    kv = int(a.get("kv_heads", heads) or heads)
+    if kv >= heads or not a.get("kv_cache_split_by_heads", True):
+        return None
+    rep = kv_head_replicas(tp, kv).astype(np.float64)
+    rows = (rep > 1) & (modes[:, names.index("qkv")] == SHARD_OUT) \
+        & (modes[:, names.index("attn_core")] == SHARD_BOTH)
+    if not rows.any():
+        return None
+    share = min(2.0 * kv * int(a.get("head_dim", 0)) / max(int(qkv.out_features or 1), 1), 1.0)
+    return np.where(rows, tp / (1.0 + share * (rep - 1.0)), tp)
+
+
 def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw) -> np.ndarray:
     """Seconds of the collective code ``kind`` (per strategy) on ``S`` full-tensor bytes."""
     ag = coll.all_gather(S, group, hw)
@@ -193,12 +226,16 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     width = in_width
     coll_codes = table.collectives[combo, res]  # [B, m + 1]
     modes = table.modes[combo, res]  # [B, m]
+    kv_div = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
     hw = b.hw
     for j, fop in enumerate(ops):
         S = tokens * width * b.act_bytes
         c_s = _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw)
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
+        if kv_div is not None and fop.name in ("qkv", "attn_core"):  # replicated KV heads
+            for c in ([1, 2, 4] if fop.name == "qkv" else [3]):  # flops, weight, out / input
+                div[:, c] = np.where(div[:, c] > 1, kv_div, div[:, c])
         if fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
         elif fop.name in EXPERT_OPS:

@@ -171,9 +171,10 @@ class StrategySpace:
             return self.graph.layer_kind(kind).op(op), op
         return self.graph.global_op(slot), slot
 
-    def _op_mask_for_tp(self, tp: int) -> np.ndarray:
+    def _op_mask_for_tp(self, tp: int, replicate_kv_heads: bool = True) -> np.ndarray:
         """[n_slots, 3] legal choices at tensor-parallel degree ``tp``
-        (:func:`shardc.ir.contract.legal`)."""
+        (:func:`shardc.ir.contract.legal`; ``replicate_kv_heads`` False: a heads split only
+        where tp divides the KV heads, Megatron's rule)."""
         cfg = self.graph.config
         heads = int(cfg.get("heads", 1) or 1)
         kv_heads = int(cfg.get("kv_heads", heads) or heads)
@@ -182,7 +183,8 @@ class StrategySpace:
             fop, op = self._fused(slot)
             for c in range(NUM_CHOICES):
                 mask[i, c] = legal(op_choice(op, c), tp, int(fop.in_features or 0),
-                                   int(fop.out_features or 0), heads, kv_heads)
+                                   int(fop.out_features or 0), heads, kv_heads,
+                                   replicate_kv_heads)
         return mask
 
     # ---------------------------------------------------------------- vectorised
@@ -248,8 +250,9 @@ MEGATRON_CHOICE = {
 
 def megatron_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
     """[n_slots] Megatron's choice per op slot at candidate ``tp_idx``; where Megatron's dim
-    is illegal at that tp (e.g. tp does not divide the heads) the op is replicated."""
-    mask = space.op_masks(np.array([tp_idx]))[0]
+    is illegal at that tp (e.g. tp does not divide the heads, or the KV heads: Megatron does
+    not replicate KV heads) the op is replicated."""
+    mask = space._op_mask_for_tp(space.values["tp"][int(tp_idx)], replicate_kv_heads=False)
     out = np.empty(len(space.op_slots), dtype=np.int64)
     for i, slot in enumerate(space.op_slots):
         c = MEGATRON_CHOICE[slot.split(".")[-1]]
