@@ -104,6 +104,12 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                     if mega.best_action is not None else None),
         "tok_s_per_gpu": float(mega.best_value) if mega.best_action is not None else None,
     }}
+    if mega.best_action is not None:  # does the ratio survive a +-1% SLO change?
+        from shardc.cost.slo_cliff import slo_cliff_check
+
+        baseline["megatron"]["slo_check"] = slo_cliff_check(
+            outcome.cost_model, outcome.space, outcome.strategy,
+            float(outcome.result.best_value), float(mega.best_value))
     search_info = {
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,

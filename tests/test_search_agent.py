@@ -102,13 +102,13 @@ def test_confidence_exit_reinitialises_and_keeps_the_elite():
         hits = (actions == target).sum(axis=1)
         return np.exp(hits.astype(float)), np.ones(len(actions), dtype=bool)
 
-    cfg = RLConfig(lr=3e-3, batch=32)
+    cfg = RLConfig(lr=1e-2, batch=32)  # the 44-value batch head needs the larger step
     result = run_search("rl", space, peaked, budget=1600, seed=0, cfg=cfg)
     assert result.evaluations == 1600
     np.testing.assert_array_equal(result.best_action, target)
     assert result.extra["network_lives"] > cfg.chunks  # early exits happened
     plain = run_search("rl", space, peaked, budget=1600, seed=0,
-                       cfg=RLConfig(lr=3e-3, batch=32, confidence=1.01))
+                       cfg=RLConfig(lr=1e-2, batch=32, confidence=1.01))
     assert plain.extra["network_lives"] == cfg.chunks  # never confident: one life per chunk
 
 
@@ -170,7 +170,8 @@ def test_cost_model_op_choices_are_free_at_tp1(name, phase):
     acts = sampler.sample(600, rng)
     acts[:, 0] = space.values["tp"].index(1)
     acts[:, 2] = space.values["pp"].index(4)  # weights fit; batch divides the 4 micro-batches
-    acts[:, 4] = rng.integers(2, 9, size=len(acts))
+    acts[:, 4] = rng.choice([space.values["batch"].index(b) for b in (4, 8, 16, 32, 64, 128, 256)],
+                            size=len(acts))
     acts = sampler.repair(acts, rng)
     canon = megatron_ops_at_tp1(space, acts)
     assert not np.array_equal(canon, acts)

@@ -101,7 +101,11 @@ def summary_table(plan) -> str:
     mega = (plan.baseline or {}).get("megatron") or {}
     ratio = ""
     if mega.get("tok_s_per_gpu"):
+        from shardc.cost.slo_cliff import cliff_note
+
         ratio = f"{pred['tok_s_per_gpu'] / mega['tok_s_per_gpu']:.3f}x"
+        note = cliff_note(mega.get("slo_check"))
+        ratio += f" ({note})" if note else ""
     deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
     rows = [
         ["degrees", f"{deg} batch={plan.workload['batch']}"],

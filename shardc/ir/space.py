@@ -28,8 +28,27 @@ from shardc.validate import divisors
 DEGREE_COMPONENTS = ("tp", "ep", "pp", "sp", "batch")
 MAX_TP = 64
 MAX_PP = 64
-DECODE_BATCHES = tuple(2**i for i in range(0, 13))  # 1 .. 4096 sequences per replica
-PREFILL_BATCHES = tuple(2**i for i in range(0, 9))  # 1 .. 256 prompts per replica
+BATCH_STEPS_PER_OCTAVE = (4, 5, 6, 7)  # 2^k x {1, 1.25, 1.5, 1.75}: neighbours <= 25% apart
+
+
+def batch_grid(limit: int) -> tuple[int, ...]:
+    """Batch candidates 1 .. ``limit``: 1, 2, 3, then ``m x 2^k`` for m in
+    :data:`BATCH_STEPS_PER_OCTAVE` -- a geometric grid whose neighbours differ by at most 25%
+    from 4 up (powers of two alone put a 2x step next to a latency SLO, so a plan just over
+    it lost half its batch), and whose values keep their large power-of-two factors (the
+    divisibility over pp x ep micro-batches and tp token splits that a plain geometric grid
+    would break). Each odd part's values form a doubling chain (3, 6, 12, ...; 5, 10, 20, ...),
+    along which divisibility only improves (see ``search.exact``'s batch pruning)."""
+    out = {1, 2, 3}
+    k = 0
+    while 4 * 2**k <= limit:
+        out.update(m * 2**k for m in BATCH_STEPS_PER_OCTAVE if m * 2**k <= limit)
+        k += 1
+    return tuple(sorted(v for v in out if v <= limit))
+
+
+DECODE_BATCHES = batch_grid(4096)  # 1 .. 4096 sequences per replica (44 values)
+PREFILL_BATCHES = batch_grid(256)  # 1 .. 256 prompts per replica (28 values)
 
 
 def check_positions(graph: Graph, workload: Workload) -> None:
