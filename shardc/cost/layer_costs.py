@@ -228,6 +228,7 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     modes = table.modes[combo, res]  # [B, m]
     kv_div = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
     hw = b.hw
+    compute = np.zeros(B)  # the ops' own time, for the overlap with the collectives
     for j, fop in enumerate(ops):
         S = tokens * width * b.act_bytes
         c_s = _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw)
@@ -243,6 +244,7 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         else:
             oc = linear_cost(fop, div, tokens, b)
         total += c_s + oc.time_s
+        compute += oc.time_s
         wsum += oc.weight_bytes
         kvsum += oc.kv_bytes
         if b.detail:
@@ -254,6 +256,7 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     total += c_s
     if b.detail:
         out.collectives.append(("<end>", coll_codes[:, len(ops)], "tp", S, c_s))
+    tp_comm, before_ep = total - compute, total.copy()
     if experts:  # dispatch + combine all-to-all over ep, per rank: T_local x top_k x hidden
         local = b.tokens / np.where(res == 1, tp, 1)
         S_a2a = local * b.top_k * b.hidden * b.act_bytes
@@ -263,7 +266,23 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
             code = np.full(B, 4)
             out.collectives.insert(0, ("dispatch", code, "ep", S_a2a, a2a))
             out.collectives.append(("combine", code, "ep", S_a2a, a2a))
+    total[:] = overlapped(compute, tp_comm, total - before_ep, hw)
     return out
+
+
+def overlapped(compute, tp_comm, ep_comm, hw) -> np.ndarray:
+    """A branch's time (s) when the preset's ``tp_comm_overlap`` / ``ep_comm_overlap``
+    fractions of its tp collectives / ep all-to-alls run under its compute:
+    ``compute + (1 - o_tp) tp_comm + (1 - o_ep) ep_comm``, never below
+    ``max(compute, tp_comm + ep_comm)`` (what is hidden is at most the compute it hides
+    behind). Per branch, from that branch's own terms: the step stays a sum of branch terms,
+    so the decomposed exact search stays exact."""
+    o_tp = float(getattr(hw, "tp_comm_overlap", 0.0))
+    o_ep = float(getattr(hw, "ep_comm_overlap", 0.0))
+    comm = tp_comm + ep_comm
+    if not (o_tp or o_ep):
+        return compute + comm
+    return compute + comm - np.minimum(o_tp * tp_comm + o_ep * ep_comm, compute)
 
 
 def norms_cost(b: Batch, other_params: int) -> tuple[np.ndarray, np.ndarray]:
