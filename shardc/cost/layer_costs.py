@@ -23,6 +23,7 @@ import numpy as np
 
 from shardc.cost import collectives as coll
 from shardc.cost.branch_tables import BranchTable
+from shardc.cost.imbalance import batch_split_imbalance
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.contract import (
@@ -145,7 +146,8 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
     """Attention core: decode reads the KV cache at ``decode_flops_per_token_per_context``
     FLOPs per cached position (absorbed MLA for DeepSeek); prefill is causal flash attention
-    at ``flops_per_token_per_context`` (the traced, non-absorbed form)."""
+    at ``flops_per_token_per_context`` (the traced, non-absorbed form). Split by batch, the
+    busiest rank's uneven sequences set the time (:mod:`shardc.cost.imbalance`)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
     heads = int(a.get("heads", 1) or 1)
@@ -169,6 +171,9 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
         traffic = b.tokens * kv_elems * b.kv_bytes * kv_frac + act
     comp = compute_time(flops, b.hw.attention_eff, b.hw.peak_flops(False))
     mem = memory_time(traffic, b.hw)
+    if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the longest ones set the pace
+        imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
+        comp, mem = comp * imb, mem * imb
     kv_res = b.seqs_resident * b.kv_context * kv_elems * b.kv_bytes * kv_frac
     zero = np.zeros_like(kv_res)
     return OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
