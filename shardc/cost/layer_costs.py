@@ -271,7 +271,8 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
             code = np.full(B, 4)
             out.collectives.insert(0, ("dispatch", code, "ep", S_a2a, a2a))
             out.collectives.append(("combine", code, "ep", S_a2a, a2a))
-    total[:] = overlapped(compute, tp_comm, total - before_ep, hw)
+    if getattr(hw, "tp_comm_overlap", 0.0) or getattr(hw, "ep_comm_overlap", 0.0):
+        total[:] = overlapped(compute, tp_comm, total - before_ep, hw)
     return out
 
 
@@ -284,10 +285,7 @@ def overlapped(compute, tp_comm, ep_comm, hw) -> np.ndarray:
     so the decomposed exact search stays exact."""
     o_tp = float(getattr(hw, "tp_comm_overlap", 0.0))
     o_ep = float(getattr(hw, "ep_comm_overlap", 0.0))
-    comm = tp_comm + ep_comm
-    if not (o_tp or o_ep):
-        return compute + comm
-    return compute + comm - np.minimum(o_tp * tp_comm + o_ep * ep_comm, compute)
+    return compute + tp_comm + ep_comm - np.minimum(o_tp * tp_comm + o_ep * ep_comm, compute)
 
 
 def norms_cost(b: Batch, other_params: int) -> tuple[np.ndarray, np.ndarray]:
