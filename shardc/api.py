@@ -62,7 +62,8 @@ def check_kernels(kernels: str, engine: str) -> None:
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
             seed: int = 0, progress=None, name: str | None = None,
-            degrees: str | dict | None = None, kernels: str = "silicon", engine: str = "vllm"):
+            degrees: str | dict | None = None, kernels: str = "silicon", engine: str = "vllm",
+            allow_cross_node_tp: bool = False):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
 
     ``kernels``: ``"silicon"`` (NVIDIA's measured kernel latencies where they cover the
@@ -71,11 +72,12 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
 
     ``degrees`` fixes any subset of tp, ep, pp, dp, sp (``"tp=8,pp=2"`` or a dict); the
     search explores the rest. Raises InputError (bad input) or InfeasibleError (nothing
-    fits; says what is short).
+    fits; says what is short). tp stays inside one node's NVLink domain unless
+    ``allow_cross_node_tp``.
     """
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
                                 budget, seed, progress, name, degrees=degrees, kernels=kernels,
-                                engine=engine)[0]
+                                engine=engine, allow_cross_node_tp=allow_cross_node_tp)[0]
 
 
 def _baseline_entry(space, result) -> dict:
@@ -91,7 +93,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
                          name: str | None = None, check_backend: bool = True,
                          degrees: str | dict | None = None, kernels: str = "silicon",
-                         engine: str = "vllm"):
+                         engine: str = "vllm", allow_cross_node_tp: bool = False):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
@@ -119,16 +121,24 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
-                          engine=engine)
+                          engine=engine, allow_cross_node_tp=bool(allow_cross_node_tp))
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
     baseline = {name: _baseline_entry(outcome.space, result)
                 for name, result in (("megatron", outcome.megatron),
                                      ("best_practice", outcome.best_practice))}
+    mega = outcome.megatron
+    if mega.best_action is not None:  # does the ratio survive a +-1% SLO change?
+        from shardc.cost.slo_cliff import slo_cliff_check
+
+        baseline["megatron"]["slo_check"] = slo_cliff_check(
+            outcome.cost_model, outcome.space, outcome.strategy,
+            float(outcome.result.best_value), float(mega.best_value))
     search_info = {
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,
         "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
+        "allow_cross_node_tp": bool(allow_cross_node_tp),
     }
     if fixed:
         search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}

@@ -21,7 +21,7 @@ from shardc.cost import CostModel
 from shardc.cost.infeasible import infeasible_message
 from shardc.errors import InfeasibleError
 from shardc.ir.graph import Graph
-from shardc.ir.space import StrategySpace, megatron_ops_at_tp1
+from shardc.ir.space import StrategySpace, megatron_ops_at_tp1, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
 from shardc.search import SearchResult, cost_model_objective, run_search
@@ -59,13 +59,16 @@ def _canonical_when_tp1(space, objective, action, value):
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
                 budget: int = 4000, seed: int = 0, progress=None,
                 fixed: dict[str, int] | None = None, kernels: str = "silicon",
-                engine: str = "vllm") -> SearchOutcome:
+                engine: str = "vllm", allow_cross_node_tp: bool = False) -> SearchOutcome:
     """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits.
     ``fixed``: degrees the user fixed (``--degrees``; see :class:`StrategySpace`); the
     searcher and the baselines explore the rest. ``kernels`` / ``engine``: what prices the ops
-    (:mod:`shardc.cost.silicon`)."""
-    space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}))
+    (:mod:`shardc.cost.silicon`). tp stays inside one NVLink domain unless
+    ``allow_cross_node_tp`` (:func:`shardc.ir.space.nvlink_tp_domain`)."""
     cost_model = CostModel(graph, mesh, hardware, workload, kernels=kernels, engine=engine)
+    space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}),
+                          tp_domain=nvlink_tp_domain(mesh, cost_model.hw.nvlink_domain,
+                                                     allow_cross_node_tp))
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     baselines = {name: run_search(name, space, objective, budget=budget, seed=seed)
                  for name in ("megatron", "best_practice")}
@@ -84,7 +87,7 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     megatron = baselines["megatron"]
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
-            infeasible_message(graph, mesh, hardware, workload, cost_model, space))
+            infeasible_message(graph, mesh, cost_model.hw, workload, cost_model, space))
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
     # collective bytes for the tokens of one step of one replica (as graph.txt's shapes)

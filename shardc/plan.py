@@ -202,7 +202,7 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
         model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),
-               "source": g.source},
+               "source": g.source, **_head_counts(g)},
         mesh={"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes, "hardware": hardware},
         workload=wl, degrees=dict(deg.as_dict()),
         logical_mesh={"shape": list(shape), "dim_names": list(names)},
@@ -210,12 +210,20 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers)}
                      for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
-        params=param_plan([(p.fqn, list(p.shape)) for p in g.params], strategy, kind_of_layer),
+        params=param_plan([(p.fqn, list(p.shape)) for p in g.params], strategy, kind_of_layer,
+                          kv_heads=int(g.config.get("kv_heads", 0) or 0)),
         nodes=nodes, predicted=dict(predicted or {}), baseline=dict(baseline or {}),
         search=dict(search or {}))
 
 
 # ---------------------------------------------------------------------- loading
+def _head_counts(g: Graph) -> dict:
+    """plan.json ``model.heads`` / ``model.kv_heads`` (attention and KV heads, when the
+    graph knows them): a heads split with tp > kv_heads replicates KV heads."""
+    heads, kv = (int(g.config.get(k, 0) or 0) for k in ("heads", "kv_heads"))
+    return {"heads": heads, "kv_heads": kv or heads} if heads else {}
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; any problem is an :class:`InputError` naming it."""
     path = Path(path)

@@ -120,6 +120,25 @@ def param_placements(fqn: str, ndim: int, strategy: Strategy,
     return out
 
 
+_KV_PROJ = re.compile(r"self_attn\.[kv]_proj\.(weight|bias)$")
+
+
+def kv_head_repeat(fqn: str, strategy: Strategy, kind_of_layer: dict[int, str],
+                   kv_heads: int) -> int:
+    """How many times each KV head of the k / v projection ``fqn`` is repeated before its
+    tp split: ``tp / kv_heads`` for GQA with tp > kv_heads when the layer's qkv is column
+    split (``col``) into attention split by heads -- each rank then holds the one KV head its
+    query heads read (:func:`shardc.ir.contract.kv_head_replicas`, as vLLM places it; the
+    runtime places the repeated ``[kv_heads x repeat x head_dim, ...]`` tensor, so the local
+    shape is one KV head) --, else 1."""
+    tp = strategy.degrees.tp
+    if not kv_heads or tp <= kv_heads or tp % kv_heads or not _KV_PROJ.search(fqn):
+        return 1
+    kind = kind_of_layer.get(layer_of(fqn))
+    heads_split = op_choice(strategy, "attn_core", kind) == 0
+    return tp // kv_heads if heads_split and op_choice(strategy, "qkv", kind) == 0 else 1
+
+
 def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> list[int]:
     """Per-rank shape of a tensor of global ``shape`` under ``placements`` (SPMD dims)."""
     out = list(shape)
@@ -132,8 +151,9 @@ def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> li
 
 
 def param_plan(params: list[tuple[str, list[int]]], strategy: Strategy,
-               kind_of_layer: dict[int, str]) -> list[dict]:
-    """plan.json ``params``: [{fqn, shape, placements, local_shape, stage}]."""
+               kind_of_layer: dict[int, str], kv_heads: int = 0) -> list[dict]:
+    """plan.json ``params``: [{fqn, shape, placements, local_shape, stage}] (``kv_heads``:
+    the model's KV heads, for the local shape of replicated KV heads, :func:`kv_head_repeat`)."""
     from shardc.ir.strategy import pipeline_stages
 
     num_layers = len(kind_of_layer)
@@ -149,7 +169,9 @@ def param_plan(params: list[tuple[str, list[int]]], strategy: Strategy,
             stage = 0
         else:  # final norm, lm_head
             stage = strategy.degrees.pp - 1
+        repeat = kv_head_repeat(fqn, strategy, kind_of_layer, kv_heads)
+        placed = [shape[0] * repeat, *shape[1:]] if repeat > 1 else list(shape)
         rows.append({"fqn": fqn, "shape": list(shape), "placements": pl,
-                     "local_shape": local_shape(list(shape), pl, strategy.degrees),
+                     "local_shape": local_shape(placed, pl, strategy.degrees),
                      "stage": stage})
     return rows

@@ -182,6 +182,11 @@ def style_plan(plan) -> StylePlan:
             return int(st.choices.get(f"{kind}.{op}", 2))
 
         kp = KindPlan(str(kind), [int(i) for i in layers], [])
+        kv_heads = int(plan.model.get("kv_heads") or 0)
+        if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0:
+            raise NotCovered(f"{kind}: attention split by heads at tp={tp} over {kv_heads} KV "
+                             f"heads (each KV head replicated over {tp // kv_heads} ranks) is "
+                             "not covered by torch's styles")
         branches = ["attention"] + (["mlp"] if "ffn1" in roles else []) \
             + (["shared_experts"] if "shared_ffn1" in roles else []) \
             + (["router", "experts"] if "experts" in roles else [])

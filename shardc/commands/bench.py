@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardc.commands.compile import add_quantisation_arguments
+from shardc.commands.compile import add_cross_node_tp_argument, add_quantisation_arguments
 from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
@@ -45,6 +45,7 @@ def add_arguments(p) -> None:
     from shardc.commands.compile import add_kernel_arguments
 
     add_kernel_arguments(p)
+    add_cross_node_tp_argument(p)
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
     add_quantisation_arguments(p, default=None)  # given: overrides every case's format
@@ -84,8 +85,8 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     """All policies on one case -> {"rows": [...], "curves": {policy: seed-0 curve}}."""
     import numpy as np
 
-    from shardc.cost import CostModel
-    from shardc.ir.space import StrategySpace
+    from shardc.cost import CostModel, load_hardware
+    from shardc.ir.space import StrategySpace, nvlink_tp_domain
     from shardc.ir.strategy import Mesh, Workload
     from shardc.search import run_search
     from shardc.search.objective import cost_model_objective
@@ -95,8 +96,10 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
                   tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]),
                   weights=case.get("weights", "bf16"), kv_cache=case.get("kv_cache", "bf16"))
-    space = StrategySpace(graph, mesh, wl)
-    cm = CostModel(graph, mesh, case["hardware"], wl, kernels=case.get("kernels", "silicon"),
+    hw = load_hardware(case["hardware"])
+    domain = nvlink_tp_domain(mesh, hw.nvlink_domain, bool(case.get("allow_cross_node_tp")))
+    space = StrategySpace(graph, mesh, wl, tp_domain=domain)
+    cm = CostModel(graph, mesh, hw, wl, kernels=case.get("kernels", "silicon"),
                    engine=case.get("engine", "vllm"))
     objective = cost_model_objective(cm, space)
     rows, curves = [], {}
@@ -174,6 +177,8 @@ def run(args) -> int:
         if getattr(args, flag):
             cases = [{**c, flag: getattr(args, flag)} for c in cases]
     cases = [{**c, "kernels": args.kernels, "engine": args.engine} for c in cases]
+    if args.allow_cross_node_tp:
+        cases = [{**c, "allow_cross_node_tp": True} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad:

@@ -91,6 +91,13 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--standalone", action="store_true",
                    help="parallelize.py on torch's parallel API importing only torch")
+    add_cross_node_tp_argument(p)
+
+
+def add_cross_node_tp_argument(p) -> None:
+    """``--allow-cross-node-tp`` (compile, simulate, bench)."""
+    p.add_argument("--allow-cross-node-tp", action="store_true",
+                   help="let tp groups span nodes (default: tp stays inside one NVLink domain)")
 
 
 def _progress_bar(budget: int, quiet: bool):
@@ -116,6 +123,11 @@ def summary_table(plan) -> str:
     d = plan.degrees
     pred = plan.predicted
     ratios = baseline_ratios(plan)
+    if "megatron" in ratios:  # does the ratio survive a +-1% SLO change?
+        from shardc.cost.slo_cliff import cliff_note
+
+        note = cliff_note(((plan.baseline or {}).get("megatron") or {}).get("slo_check"))
+        ratios["megatron"] += f" ({note})" if note else ""
     deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
     rows = [
         ["degrees", f"{deg} batch={plan.workload['batch']}"],
@@ -173,7 +185,8 @@ def run(args) -> int:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
-            degrees=fixed, kernels=args.kernels, engine=args.engine)
+            degrees=fixed, kernels=args.kernels, engine=args.engine,
+            allow_cross_node_tp=args.allow_cross_node_tp)
     finally:
         if bar is not None:
             bar.close()

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mesh", default=None,
                    help="GxN: also report the size of the strategy space on this mesh")
     p.add_argument("--phase", default="decode", choices=["decode", "prefill"],
-                   help="workload phase for --mesh (prefill adds the sp choice)")
+                   help="workload phase for --mesh (its batch grid)")
 
 
 def select_nodes(graph: Graph, layer: int | None = None, op: str | None = None) -> list[Node]:

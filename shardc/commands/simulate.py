@@ -17,10 +17,19 @@ import numpy as np
 from tabulate import tabulate
 
 from shardc.backends.atomic import write_file_atomic
-from shardc.commands.compile import add_workload_arguments, workload_from_args
+from shardc.commands.compile import (
+    add_cross_node_tp_argument,
+    add_workload_arguments,
+    workload_from_args,
+)
 from shardc.errors import InfeasibleError, InputError
 from shardc.ir.contract import CHOICE_NAMES
-from shardc.ir.space import StrategySpace, megatron_op_choices
+from shardc.ir.space import (
+    StrategySpace,
+    cross_node_tp_note,
+    megatron_op_choices,
+    nvlink_tp_domain,
+)
 from shardc.ir.strategy import Degrees, Mesh, Strategy
 from shardc.validate import dumps_strict_json
 
@@ -35,6 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--choices", default="megatron",
                    help="megatron|rep[,SLOT=NAME...] per-op choices (default megatron)")
     p.add_argument("--json", default=None, help="write model, degrees, predicted to FILE")
+    add_cross_node_tp_argument(p)
 
 
 def parse_choices(text: str, space: StrategySpace, tp_idx: int) -> dict[str, int]:
@@ -119,14 +129,15 @@ def run(args) -> int:
     workload = workload_from_args(args)
     hw = load_hardware(args.hardware)
     deg = _degrees(args.degrees, mesh)
-    if deg.sp > 1 and workload.phase != "prefill":
-        raise InputError("--degrees sp: sequence parallel is only modelled in prefill")
     graph = load_model_graph(args.model)
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
     cm = CostModel(graph, mesh, hw, workload, kernels=args.kernels, engine=args.engine)
-    space = StrategySpace(graph, mesh, workload)
+    domain = nvlink_tp_domain(mesh, hw.nvlink_domain, args.allow_cross_node_tp)
+    if domain is not None and domain % deg.tp:
+        raise InputError(f"--degrees tp={deg.tp}: {cross_node_tp_note(domain)}")
+    space = StrategySpace(graph, mesh, workload, tp_domain=domain)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "

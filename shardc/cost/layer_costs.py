@@ -24,10 +24,17 @@ import numpy as np
 from shardc.cost import collectives as coll
 from shardc.cost import silicon
 from shardc.cost.branch_tables import BranchTable
+from shardc.cost.imbalance import batch_split_imbalance
 from shardc.cost.moe_dispatch import experts_exchange
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
-from shardc.ir.contract import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT
+from shardc.ir.contract import (
+    MODE_EXPONENTS,
+    SHARD_BOTH,
+    SHARD_OUT,
+    TOKEN_SPLIT,
+    kv_head_replicas,
+)
 from shardc.ir.graph import FusedOp
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
@@ -159,7 +166,8 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
     """Attention core: decode reads the KV cache at ``decode_flops_per_token_per_context``
     FLOPs per cached position (absorbed MLA for DeepSeek); prefill is causal flash attention
-    at ``flops_per_token_per_context`` (the traced, non-absorbed form)."""
+    at ``flops_per_token_per_context`` (the traced, non-absorbed form). Split by batch, the
+    busiest rank's uneven sequences set the time (:mod:`shardc.cost.imbalance`)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
     heads = int(a.get("heads", 1) or 1)
@@ -195,7 +203,38 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
             np.where(by_heads, kv_heads / np.minimum(b.tp, kv_heads), kv_heads), hd,
             not split_heads or hd != vhd, flops, traffic, b,
             mla_v3=not split_heads and kv_elems == 576)
+    if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the longest ones set the pace
+        imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
+        oc = OpCost(oc.compute_s * imb, oc.memory_s * imb, oc.time_s * imb, oc.weight_bytes,
+                    oc.kv_bytes)
     return oc
+
+
+def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
+                          ) -> np.ndarray | None:
+    """GQA with tp > kv_heads (:func:`shardc.ir.contract.kv_head_replicas`): under a heads
+    split fed by a column-split qkv each rank holds its 1/tp of the query heads and one whole
+    KV head (each KV head repeated tp / kv_heads times before the split, as vLLM places it),
+    so qkv's weights, FLOPs and output -- the attention core's input -- divide by
+    ``tp / (1 + kv_share x (replicas - 1))``, ``kv_share`` = the K/V fraction of qkv's output
+    features. Returns that divisor [B] where it applies and ``tp`` elsewhere, or None when no
+    strategy of the batch replicates KV heads. ``modes`` [B, m]: the attention branch's."""
+    names = [o.name for o in ops]
+    if "qkv" not in names or "attn_core" not in names:
+        return None
+    qkv, core = ops[names.index("qkv")], ops[names.index("attn_core")]
+    a = core.attrs
+    heads = int(a.get("heads", 1) or 1)
+    kv = int(a.get("kv_heads", heads) or heads)
+    if kv >= heads or not a.get("kv_cache_split_by_heads", True):
+        return None
+    rep = kv_head_replicas(tp, kv).astype(np.float64)
+    rows = (rep > 1) & (modes[:, names.index("qkv")] == SHARD_OUT) \
+        & (modes[:, names.index("attn_core")] == SHARD_BOTH)
+    if not rows.any():
+        return None
+    share = min(2.0 * kv * int(a.get("head_dim", 0)) / max(int(qkv.out_features or 1), 1), 1.0)
+    return np.where(rows, tp / (1.0 + share * (rep - 1.0)), tp)
 
 
 def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw, b: Batch | None = None,
@@ -229,7 +268,9 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     width = in_width
     coll_codes = table.collectives[combo, res]  # [B, m + 1]
     modes = table.modes[combo, res]  # [B, m]
+    kv_div = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
     hw = b.hw
+    compute = np.zeros(B)  # the ops' own time, for the overlap with the collectives
     for j, fop in enumerate(ops):
         S = tokens * width * b.act_bytes
         # the experts' first repair is priced with the dispatch (moe_dispatch)
@@ -237,6 +278,9 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
                else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw, b, fop.name))
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
+        if kv_div is not None and fop.name in ("qkv", "attn_core"):  # replicated KV heads
+            for c in ([1, 2, 4] if fop.name == "qkv" else [3]):  # flops, weight, out / input
+                div[:, c] = np.where(div[:, c] > 1, kv_div, div[:, c])
         if fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
         elif fop.name in EXPERT_OPS:
@@ -244,6 +288,7 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         else:
             oc = linear_cost(fop, div, tokens, b)
         total += c_s + oc.time_s
+        compute += oc.time_s
         wsum += oc.weight_bytes
         kvsum += oc.kv_bytes
         if b.detail:
@@ -253,7 +298,10 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         width = op_out_width(fop)
     if experts:  # dispatch + combine over ep and the tp repairs around them (moe_dispatch)
         t_x, rows = experts_exchange(table.ops, combo, b, b.detail)
+        tp_comm = total - compute
         total += t_x
+        if getattr(hw, "tp_comm_overlap", 0.0) or getattr(hw, "ep_comm_overlap", 0.0):
+            total[:] = overlapped(compute, tp_comm, t_x, hw)
         if b.detail:
             first = next(i for i, r in enumerate(rows) if r[0] == ops[0].name)
             out.ops[0] = out.ops[0][:3] + (rows[first][4],)
@@ -265,7 +313,21 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     total += c_s
     if b.detail:
         out.collectives.append(("<end>", coll_codes[:, len(ops)], "tp", S, c_s))
+    if getattr(hw, "tp_comm_overlap", 0.0) or getattr(hw, "ep_comm_overlap", 0.0):
+        total[:] = overlapped(compute, total - compute, 0.0, hw)
     return out
+
+
+def overlapped(compute, tp_comm, ep_comm, hw) -> np.ndarray:
+    """A branch's time (s) when the preset's ``tp_comm_overlap`` / ``ep_comm_overlap``
+    fractions of its tp collectives / ep all-to-alls run under its compute:
+    ``compute + (1 - o_tp) tp_comm + (1 - o_ep) ep_comm``, never below
+    ``max(compute, tp_comm + ep_comm)`` (what is hidden is at most the compute it hides
+    behind). Per branch, from that branch's own terms: the step stays a sum of branch terms,
+    so the decomposed exact search stays exact."""
+    o_tp = float(getattr(hw, "tp_comm_overlap", 0.0))
+    o_ep = float(getattr(hw, "ep_comm_overlap", 0.0))
+    return compute + tp_comm + ep_comm - np.minimum(o_tp * tp_comm + o_ep * ep_comm, compute)
 
 
 def norms_cost(b: Batch, other_params: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,9 @@ Entry point::
 
     result = run_search("rl", space, objective, budget=4000, seed=0, progress=None)
 
+The budgeted searchers keep one evaluation per batch candidate for last: their best strategy
+at every batch of the grid (:func:`_refine_batch`; the grid is fine near the SLO).
+
 ``objective(actions[B, A]) -> (tok_s_per_gpu[B], feasible[B])`` (see
 :mod:`shardc.search.objective`; :func:`cost_model_objective` adapts shardc.cost's
 CostModel). Policies: ``rl``, ``sa``, ``rw``, ``ga`` (spend exactly ``budget`` evaluations),
@@ -22,6 +25,7 @@ import numpy as np
 
 from shardc.search.objective import (
     Budget,
+    BudgetExhausted,
     CostModelObjective,
     Objective,
     Progress,
@@ -75,7 +79,8 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     sampler = LegalSampler(space)
     rng = np.random.default_rng(seed)
     sweep = policy in SWEEPS
-    meter = Budget(objective, None if sweep else budget, progress)
+    reserve = _batch_reserve(sampler, budget) if not sweep else 0
+    meter = Budget(objective, None if sweep else budget - reserve, progress)
     complete = True
     extra: dict = {}
     t0 = time.perf_counter()
@@ -100,12 +105,40 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
               "megatron": baselines.search_megatron,
               "best_practice": baselines.search_best_practice}[policy]
         fn(sampler, meter, rng, **options)
+    if reserve:
+        meter.budget += reserve
+        _refine_batch(sampler, meter)
     wall = time.perf_counter() - t0
     if meter.best_action is not None:
         assert sampler.legal(meter.best_action[None])[0], "searcher produced an illegal action"
     return SearchResult(best_action=meter.best_action, best_value=meter.best_value,
                         evaluations=meter.evaluations, curve=meter.curve, wall_s=wall,
                         policy=policy, seed=seed, complete=complete, extra=extra)
+
+
+def _batch_reserve(sampler, budget: int) -> int:
+    """Evaluations kept back for :func:`_refine_batch`: one per batch candidate, when the
+    budget is at least four times that (else 0: the searcher spends it all)."""
+    from shardc.search.legal import BATCH
+
+    n = int(sampler.nvec[BATCH])
+    return n if n > 1 and budget >= 4 * n else 0
+
+
+def _refine_batch(sampler, meter: Budget) -> None:
+    """The best strategy found, at every batch candidate (its degrees and op choices kept):
+    the batch grid is fine near the SLO (neighbours <= 25% apart), so a searcher that
+    stopped a step or two short of the largest feasible batch of its plan reaches it here."""
+    from shardc.search.legal import BATCH
+
+    if meter.best_action is None:
+        return
+    rows = np.repeat(meter.best_action[None, :], sampler.nvec[BATCH], axis=0)
+    rows[:, BATCH] = np.arange(sampler.nvec[BATCH])
+    try:
+        meter(rows)
+    except BudgetExhausted:
+        return
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
