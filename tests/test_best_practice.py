@@ -107,20 +107,20 @@ def test_rules_dp_attention_for_mla_expert_tp_free():
 
 
 def test_rules_take_up_a_heads_split_the_space_makes_legal():
-    # tiny_llama has 4 KV heads: at tp 8 the heads split is illegal, so attention is tried
-    # data-parallel in the tp group (besides Megatron's replicated fallback) ...
+    # tiny_llama has 4 KV heads: at tp 8 the space replicates KV heads, so best practice
+    # splits attention by heads where Megatron's rule replicates all of attention ...
     space, _ = problem("tiny_llama", "8x1", "decode")
     t = space.values["tp"].index(8)
     core = space.op_slots.index("dense_block.attn_core")
+    assert int(megatron_op_choices(space, t)[core]) == 2
+    rows = best_practice_op_choices(space, t)
+    assert [int(r[core]) for r in rows] == [0, 2]  # KV-head replication first, then Megatron
+    # ... and where the heads split is illegal, attention is tried data-parallel in the tp
+    # group besides Megatron's replicated fallback
+    i = space.op_slots.index("dense_block.attn_core")
+    space.op_mask_by_tp[t, i, 0] = False
     rows = best_practice_op_choices(space, t)
     assert sorted(int(r[core]) for r in rows) == [1, 2]
-    # ... and once the space allows it (KV-head replication), the heads split is taken
-    for slot in ("dense_block.qkv", "dense_block.attn_core", "dense_block.out_proj"):
-        i = space.op_slots.index(slot)
-        space.op_mask_by_tp[t, i, :] = True
-    rows = best_practice_op_choices(space, t)
-    assert int(rows[0][core]) == 0
-    assert np.array_equal(rows[0], megatron_op_choices(space, t))
 
 
 def test_summary_claims_the_gain_against_the_stronger_baseline():

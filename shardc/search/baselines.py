@@ -156,6 +156,9 @@ DP_ATTENTION = {"qkv": REP, "attn_core": ROW, "out_proj": REP}
 # expert tp 1 (experts unsplit; ep carries the expert parallelism, as SGLang --ep-size /
 # Megatron-Core --expert-tensor-parallel-size 1)
 EXPERT_TP1 = {"expert_ffn1": REP, "expert_ffn2": REP}
+# Megatron's attention dims (column qkv, heads, row out-proj): with tp > KV heads the space
+# makes them legal by replicating KV heads (as vLLM does), which Megatron's rule does not use
+HEADS_SPLIT = {"qkv": COL, "attn_core": COL, "out_proj": ROW}
 
 
 def _kv_cache_per_head(space: StrategySpace) -> bool:
@@ -173,8 +176,8 @@ def best_practice_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
     ``tp_idx`` (K <= 4, distinct rows, fixed order), chosen by rule among the legal options:
 
     * every op starts from Megatron's dims (:func:`megatron_op_choices`); where the space
-      makes the heads split legal (tp | KV heads, or KV-head replication when the space has
-      it) attention is split by heads;
+      makes the heads split legal (tp | KV heads, or KV-head replication) attention is split
+      by heads (besides Megatron's own row, which replicates attention when tp > KV heads);
     * attention is also tried data-parallel inside the tp group (:data:`DP_ATTENTION`) when
       the heads split would duplicate the KV cache: MLA (the latent cache is not split by
       heads) or a heads split illegal at this tp (GQA with tp > KV heads and no replication);
@@ -202,7 +205,9 @@ def best_practice_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
         return None if np.array_equal(out, row) else out
 
     heads_illegal = any(not mask[i, COL] for i, op in enumerate(ops) if op == "attn_core")
-    attention = [base]
+    # KV heads replicated, not all of attention (Megatron's own row stays: never below it)
+    heads = None if heads_illegal else variant(base, HEADS_SPLIT)
+    attention = [heads, base]
     if heads_illegal or not _kv_cache_per_head(space):
         attention.append(variant(base, DP_ATTENTION))
     rows = []
