@@ -27,8 +27,10 @@ from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.contract import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT
 from shardc.ir.graph import FusedOp
+from shardc.ir.windows import attended_positions, causal_pairs, op_window
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
+QK_NORMS = "attn_core q/k norms"  # detail: the whole-projection q/k norms' all-reduce
 
 
 @dataclass
@@ -139,7 +141,9 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
     """Attention core: decode reads the KV cache at ``decode_flops_per_token_per_context``
     FLOPs per cached position (absorbed MLA for DeepSeek); prefill is causal flash attention
-    at ``flops_per_token_per_context`` (the traced, non-absorbed form)."""
+    at ``flops_per_token_per_context`` (the traced, non-absorbed form). A sliding-window
+    core (``attrs["window"]``, :mod:`shardc.ir.windows`) reads and holds ``min(context,
+    window)`` positions per sequence and its prefill is banded causal attention."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
     heads = int(a.get("heads", 1) or 1)
@@ -155,17 +159,35 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     kv_frac = np.where(mode == SHARD_BOTH, head_frac, np.where(mode == TOKEN_SPLIT, 1.0 / b.tp, 1.0))
     out_width = op_out_width(fop)
     act = b.tokens * (in_width / d_in + out_width / d_out) * b.act_bytes
+    window = op_window(a)
     if b.phase == "decode":
-        flops = b.seqs * b.context * decode_per_ctx / d_flop
-        traffic = b.seqs * b.context * kv_elems * b.kv_bytes * kv_frac + act
+        read = attended_positions(b.context, window)
+        flops = b.seqs * read * decode_per_ctx / d_flop
+        traffic = b.seqs * read * kv_elems * b.kv_bytes * kv_frac + act
     else:
-        flops = b.seqs * b.prompt * (b.prompt + 1) / 2 * per_ctx / d_flop
+        flops = b.seqs * causal_pairs(b.prompt, window) * per_ctx / d_flop
         traffic = b.tokens * kv_elems * b.kv_bytes * kv_frac + act
     comp = compute_time(flops, b.hw.attention_eff, b.hw.peak_flops(False))
     mem = memory_time(traffic, b.hw)
-    kv_res = b.seqs_resident * b.kv_context * kv_elems * b.kv_bytes * kv_frac
+    held = attended_positions(b.kv_context, window)
+    kv_res = b.seqs_resident * held * kv_elems * b.kv_bytes * kv_frac
     zero = np.zeros_like(kv_res)
     return OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
+
+
+QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (backends.attention)
+
+
+def qk_norm_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, seconds) of the all-reduces of whole-projection q/k norms (OLMoE,
+    ``attrs["whole_projection_norms"]``) before the attention core: under a heads split
+    each rank holds a tp slice of the normalised features, so each norm all-reduces its
+    ``T x 1`` fp32 sum of squares over tp; other modes normalise whole rows locally."""
+    norms = int(fop.attrs.get("whole_projection_norms", 0) or 0)
+    S = b.tokens * QK_NORM_SUM_BYTES
+    codes = np.full(b.tp.shape, coll.ALL_REDUCE)
+    t = _pick_collective(codes, S, b.groups["tp"], b.hw)
+    return S, np.where(mode == SHARD_BOTH, norms * t, 0.0)
 
 
 def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw) -> np.ndarray:
@@ -201,6 +223,12 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
         if fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
+            if fop.attrs.get("whole_projection_norms"):
+                norm_S, norm_s = qk_norm_all_reduce(fop, mode, b)
+                total += norm_s
+                if b.detail:
+                    out.collectives.append((QK_NORMS, np.where(norm_s > 0, coll.ALL_REDUCE, 0),
+                                            "tp", norm_S, norm_s))
         elif fop.name in EXPERT_OPS:
             oc = expert_cost(fop, div, b)
         else:
