@@ -192,13 +192,20 @@ def test_heads_split_all_reduces_each_norms_sum_of_squares(phase):
     base, normed = (cm.simulate(st) for cm in cms)
     tokens = 8 * (1 if phase == "decode" else 128)
     rows = [c for c in normed.collectives if c[2] == "attn_core q/k norms"]
-    assert rows and all(c[3] == "all_reduce" and c[5] == tokens * 4.0 for c in rows)
+    # one row per layer kind: both norms' all-reduces, their bytes summed
+    assert rows and all(c[3] == "all_reduce" and c[5] == 2 * tokens * 4.0 for c in rows)
     group = mesh_groups(np.array([tp]), np.array([1]), np.array([1]), np.array([1]), tp)["tp"]
     one = float(coll.all_reduce(tokens * 4.0, group, cms[1].hw)[0]) * 1e3
     layers = sum(k.count for k in full.layer_kinds)
     assert normed.totals["tp_comm_ms"] - base.totals["tp_comm_ms"] == \
         pytest.approx(2 * layers * one, rel=1e-9)
     assert normed.stage_ms[0] - base.stage_ms[0] == pytest.approx(2 * layers * one, rel=1e-9)
+    # the Chrome trace shows them as a comm segment and still adds up to the stage time
+    x = [e for e in cms[1].chrome_trace(st)["traceEvents"] if e["ph"] == "X"
+         and e["tid"] == 0 and e["args"]["microbatch"] == 0]
+    assert any(e["name"].endswith(" all_reduce q/k norms") and e["cat"] == "comm" for e in x)
+    assert sum(e["dur"] for e in x) / 1e3 == pytest.approx(
+        normed.stage_ms[0] + normed.totals["pp_send_ms"], rel=1e-6)
 
 
 @pytest.mark.parametrize("tp, attn", [(1, "heads"), (4, "batch"), (4, "rep")])

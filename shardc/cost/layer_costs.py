@@ -179,15 +179,16 @@ QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (backe
 
 
 def qk_norm_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, seconds) of the all-reduces of whole-projection q/k norms (OLMoE,
-    ``attrs["whole_projection_norms"]``) before the attention core: under a heads split
+    """(bytes, seconds) of all the all-reduces of whole-projection q/k norms (OLMoE,
+    ``attrs["whole_projection_norms"]`` = n) before the attention core: under a heads split
     each rank holds a tp slice of the normalised features, so each norm all-reduces its
-    ``T x 1`` fp32 sum of squares over tp; other modes normalise whole rows locally."""
+    ``T x 1`` fp32 sum of squares over tp (n all-reduces of ``T * 4`` bytes; the bytes
+    returned are their sum); other modes normalise whole rows locally."""
     norms = int(fop.attrs.get("whole_projection_norms", 0) or 0)
     S = b.tokens * QK_NORM_SUM_BYTES
     codes = np.full(b.tp.shape, coll.ALL_REDUCE)
     t = _pick_collective(codes, S, b.groups["tp"], b.hw)
-    return S, np.where(mode == SHARD_BOTH, norms * t, 0.0)
+    return norms * S, np.where(mode == SHARD_BOTH, norms * t, 0.0)
 
 
 def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw) -> np.ndarray:
