@@ -48,18 +48,34 @@ def check_backend_support(model) -> None:
         support.check_module(model)
 
 
+def check_kernels(kernels: str, engine: str) -> None:
+    """InputError unless ``kernels`` / ``engine`` are known (SPEC section 10)."""
+    from shardc.cost.silicon import KERNEL_CHOICES
+    from shardc.cost.silicon_tables import ENGINES
+
+    if kernels not in KERNEL_CHOICES:
+        raise InputError(f"--kernels {kernels!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    if engine not in ENGINES:
+        raise InputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+
+
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
             seed: int = 0, progress=None, name: str | None = None,
-            degrees: str | dict | None = None):
+            degrees: str | dict | None = None, kernels: str = "silicon", engine: str = "vllm"):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
+
+    ``kernels``: ``"silicon"`` (NVIDIA's measured kernel latencies where they cover the
+    hardware, roofline elsewhere) or ``"roofline"``; ``engine``: whose kernels (``vllm``,
+    ``sglang``, ``trtllm``). plan.json ``predicted.kernel_source`` says what priced it.
 
     ``degrees`` fixes any subset of tp, ep, pp, dp, sp (``"tp=8,pp=2"`` or a dict); the
     search explores the rest. Raises InputError (bad input) or InfeasibleError (nothing
     fits; says what is short).
     """
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
-                                budget, seed, progress, name, degrees=degrees)[0]
+                                budget, seed, progress, name, degrees=degrees, kernels=kernels,
+                                engine=engine)[0]
 
 
 def _baseline_entry(space, result) -> dict:
@@ -74,7 +90,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          hardware: str = "h100", workload: Workload | None = None,
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
                          name: str | None = None, check_backend: bool = True,
-                         degrees: str | dict | None = None):
+                         degrees: str | dict | None = None, kernels: str = "silicon",
+                         engine: str = "vllm"):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
@@ -87,6 +104,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
 
     if search not in POLICIES:
         raise InputError(f"--search {search!r}: expected one of {', '.join(POLICIES)}")
+    check_kernels(kernels, engine)
     if int(budget) < 1:
         raise InputError("--budget must be a positive number of evaluations")
     if int(seed) < 0:
@@ -100,7 +118,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
-                          seed=int(seed), progress=progress, fixed=fixed)
+                          seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
+                          engine=engine)
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
     baseline = {name: _baseline_entry(outcome.space, result)

@@ -58,12 +58,14 @@ def _canonical_when_tp1(space, objective, action, value):
 
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
                 budget: int = 4000, seed: int = 0, progress=None,
-                fixed: dict[str, int] | None = None) -> SearchOutcome:
+                fixed: dict[str, int] | None = None, kernels: str = "silicon",
+                engine: str = "vllm") -> SearchOutcome:
     """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits.
     ``fixed``: degrees the user fixed (``--degrees``; see :class:`StrategySpace`); the
-    searcher and the baselines explore the rest."""
+    searcher and the baselines explore the rest. ``kernels`` / ``engine``: what prices the ops
+    (:mod:`shardc.cost.silicon`)."""
     space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}))
-    cost_model = CostModel(graph, mesh, hardware, workload)
+    cost_model = CostModel(graph, mesh, hardware, workload, kernels=kernels, engine=engine)
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     baselines = {name: run_search(name, space, objective, budget=budget, seed=seed)
                  for name in ("megatron", "best_practice")}

@@ -196,7 +196,8 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     kind_of_layer = {i: k.name for k in g.layer_kinds for i in k.layers}
     wl = dict(phase=workload.phase, batch=int(strategy.batch), context=int(workload.context),
               prompt=int(workload.prompt), tpot_slo_ms=float(workload.tpot_slo_ms),
-              ttft_slo_ms=float(workload.ttft_slo_ms))
+              ttft_slo_ms=float(workload.ttft_slo_ms), weights=workload.weights,
+              kv_cache=workload.kv_cache)
     nodes = plan_nodes(g, wl)
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
@@ -256,7 +257,8 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
         Mesh(m["gpus_per_node"], m["nodes"])
         section = "workload"
         Workload(phase=w["phase"], batch=w["batch"], context=w["context"], prompt=w["prompt"],
-                 tpot_slo_ms=w["tpot_slo_ms"], ttft_slo_ms=w["ttft_slo_ms"])
+                 tpot_slo_ms=w["tpot_slo_ms"], ttft_slo_ms=w["ttft_slo_ms"],
+                 weights=w.get("weights", "bf16"), kv_cache=w.get("kv_cache", "bf16"))
     except InputError as e:
         raise InputError(f"{where}: {section}: {e}") from None
     gpus = m["gpus_per_node"] * m["nodes"]

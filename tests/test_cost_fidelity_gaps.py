@@ -134,6 +134,26 @@ def test_prefill_flops_are_banded_causal():
     assert slid["kv_bytes"] == pytest.approx(ref["kv_bytes"] * W / P, rel=1e-12)
 
 
+def test_measured_kernels_see_the_window_too():
+    """--kernels silicon: decode looks up the generation kernel at min(context, W) cached
+    positions; the measured causal prefill kernel is scaled to the band's pairs."""
+    full = fixture_graph("tiny_llama")
+    slid = _windowed(full)
+
+    def row(graph, **wl):
+        cm = CostModel(graph, Mesh(2, 1), "h100", Workload(batch=8, **wl), kernels="silicon")
+        assert cm.kernels is not None, cm.kernel_reason
+        ex = cm.simulate(_megatron(graph, 2))
+        return next(r for r in ex.ops if r["op"] == "attn_core")
+
+    assert row(slid, context=4 * W)["time_ms"] == row(full, context=W)["time_ms"]
+    P = 4 * W
+    ratio = sum(min(i, W) for i in range(1, P + 1)) / (P * (P + 1) / 2)
+    s, f = row(slid, phase="prefill", prompt=P), row(full, phase="prefill", prompt=P)
+    assert s["time_ms"] < f["time_ms"]
+    assert s["time_ms"] >= ratio * f["time_ms"] * (1 - 1e-12)
+
+
 def test_capacity_and_decode_flops_count_the_window():
     full = fixture_graph("tiny_llama")
     slid = _windowed(full)

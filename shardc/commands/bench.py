@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardc.commands.compile import add_quantisation_arguments
 from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
@@ -41,8 +42,12 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated subset (default all, both baselines included)")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    from shardc.commands.compile import add_kernel_arguments
+
+    add_kernel_arguments(p)
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
+    add_quantisation_arguments(p, default=None)  # given: overrides every case's format
 
 
 # ------------------------------------------------------------------------------ suites
@@ -88,9 +93,12 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     graph = cached_graph(case["model"])
     mesh = Mesh.parse(case["mesh"])
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
-                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]))
+                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]),
+                  weights=case.get("weights", "bf16"), kv_cache=case.get("kv_cache", "bf16"))
     space = StrategySpace(graph, mesh, wl)
-    objective = cost_model_objective(CostModel(graph, mesh, case["hardware"], wl), space)
+    cm = CostModel(graph, mesh, case["hardware"], wl, kernels=case.get("kernels", "silicon"),
+                   engine=case.get("engine", "vllm"))
+    objective = cost_model_objective(cm, space)
     rows, curves = [], {}
     for pol in policies:
         n = seeds if pol in SEEDED else 1
@@ -162,6 +170,10 @@ def run(args) -> int:
         cases = [c for c in cases if args.cases in c["name"]]
         if not cases:
             raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
+    for flag in ("weights", "kv_cache"):
+        if getattr(args, flag):
+            cases = [{**c, flag: getattr(args, flag)} for c in cases]
+    cases = [{**c, "kernels": args.kernels, "engine": args.engine} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad:

@@ -8,7 +8,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from shardc.errors import InputError
-from shardc.ir.strategy import Workload, parse_degree_fields
+from shardc.ir.strategy import QUANT_FORMATS, Workload, parse_degree_fields
 from shardc.search import POLICIES
 from shardc.text import out_dir_name
 from shardc.validate import (
@@ -44,12 +44,36 @@ def add_workload_arguments(p) -> None:
                    help="time per output token SLO (ms; 1000000 = no SLO)")
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
+    add_quantisation_arguments(p)
+    add_kernel_arguments(p)
+
+
+def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
+    """``--weights`` / ``--kv-cache`` (:data:`shardc.ir.strategy.QUANT_FORMATS`)."""
+    p.add_argument("--weights", default=default, choices=list(QUANT_FORMATS),
+                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak")
+    p.add_argument("--kv-cache", default=default, choices=list(QUANT_FORMATS),
+                   help="KV-cache format: fp8 = 1 byte per cached element")
+
+
+def add_kernel_arguments(p) -> None:
+    """``--kernels`` / ``--engine`` (SPEC section 10): what prices the ops."""
+    from shardc.cost.silicon import DEFAULT_ENGINE, DEFAULT_KERNELS, KERNEL_CHOICES
+    from shardc.cost.silicon_tables import ENGINES
+
+    p.add_argument("--kernels", default=DEFAULT_KERNELS, choices=list(KERNEL_CHOICES),
+                   help="silicon: NVIDIA's measured kernel latencies where they cover the "
+                        "hardware (h100, h200, b200 presets), roofline elsewhere; roofline: "
+                        "the datasheet roofline everywhere")
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES),
+                   help="whose measured kernels price the ops (with --kernels silicon)")
 
 
 def workload_from_args(args) -> Workload:
     """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
-                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo)
+                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
+                    weights=args.weights, kv_cache=args.kv_cache)
 
 
 def add_arguments(p) -> None:
@@ -101,6 +125,7 @@ def summary_table(plan) -> str:
         ["memory/GPU (GB)", number_or_dash(pred.get("memory_gb_per_gpu"), ".1f")],
         ["vs Megatron heuristic", ratios.get("megatron", "-")],
         ["vs best practice", ratios.get("best_practice", "-")],
+        ["kernels", str(pred.get("kernel_source") or "-")],
     ]
     if "stronger" in ratios:
         rows.append([f"gain vs stronger baseline ({BASELINE_NAMES[ratios['stronger']]})",
@@ -148,7 +173,7 @@ def run(args) -> int:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
-            degrees=fixed)
+            degrees=fixed, kernels=args.kernels, engine=args.engine)
     finally:
         if bar is not None:
             bar.close()

@@ -103,6 +103,7 @@ def report(ex) -> str:
          f"(weights {mem['weights_gb']:.2f}, KV {mem['kv_cache_gb']:.2f}, "
          f"act {mem['activations_gb']:.2f}, workspace {mem['workspace_gb']:.1f})"],
         ["feasible", "yes" if ex.feasible else f"no: {ex.reason}"],
+        ["kernels", str(p.get("kernel_source") or "-")],
     ]
     out.append(tabulate(summary, tablefmt="simple"))
     return "\n".join(out)
@@ -124,7 +125,7 @@ def run(args) -> int:
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
-    cm = CostModel(graph, mesh, hw, workload)
+    cm = CostModel(graph, mesh, hw, workload, kernels=args.kernels, engine=args.engine)
     space = StrategySpace(graph, mesh, workload)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
@@ -151,7 +152,8 @@ def run(args) -> int:
                "workload": {"phase": workload.phase, "batch": int(batch),
                             "context": workload.context, "prompt": workload.prompt,
                             "tpot_slo_ms": workload.tpot_slo_ms,
-                            "ttft_slo_ms": workload.ttft_slo_ms},
+                            "ttft_slo_ms": workload.ttft_slo_ms,
+                            "weights": workload.weights, "kv_cache": workload.kv_cache},
                "degrees": deg.as_dict(), "choices": strategy.choice_names(),
                "predicted": ex.predicted}
         write_file_atomic(args.json, dumps_strict_json(doc, indent=2, sort_keys=True) + "\n",

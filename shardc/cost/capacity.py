@@ -6,7 +6,7 @@ import math
 
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.ir.graph import Graph
-from shardc.ir.strategy import Workload
+from shardc.ir.strategy import Workload, format_bytes
 from shardc.ir.windows import attended_positions, op_window
 
 
@@ -14,7 +14,7 @@ def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | N
                         ) -> tuple[float, float]:
     """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
     phase's cache length: context in decode, prompt in prefill; a sliding-window layer holds
-    at most its window)."""
+    at most its window), in the workload's weight and KV-cache formats."""
     db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
     params = sum(o.params for o in graph.global_ops)
     length = workload.context if workload.phase == "decode" else workload.prompt
@@ -27,7 +27,8 @@ def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | N
             held = attended_positions(length, op_window(core.attrs))
             kv_per_seq += k.count * held * float(core.attrs.get("kv_cache_elems_per_token", 0))
     seqs = workload.batch or 1
-    return params * db, seqs * kv_per_seq * db
+    return (params * format_bytes(workload.weights, db),
+            seqs * kv_per_seq * format_bytes(workload.kv_cache, db))
 
 
 def min_gpus_needed(graph: Graph, workload: Workload, hardware: Hardware | str) -> int:

@@ -78,8 +78,10 @@ def rejection_detail(cost_model, strategy) -> str:
     return f"{reason_text(code)} at {_split(strategy)}"
 
 
-def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None) -> str:
-    """``--batch N`` that makes one of the batch-blocked splits feasible (the best one), or ""."""
+def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None,
+                         kernel_options=None) -> str:
+    """``--batch N`` that makes one of the batch-blocked splits feasible (the best one), or ""
+    (priced like the search: ``kernel_options`` of its cost model)."""
     if workload.batch is not None:
         return ""
     best = None
@@ -91,7 +93,7 @@ def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None) -
             acts = _candidate_actions(space)
             if not len(acts):
                 continue
-            ev = CostModel(graph, mesh, hardware, wl).evaluate(acts, space)
+            ev = CostModel(graph, mesh, hardware, wl, **(kernel_options or {})).evaluate(acts, space)
             if ev.feasible.any():
                 i = int(np.argmax(np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)))
                 if best is None or ev.tok_s_per_gpu[i] > best[0]:
@@ -140,7 +142,8 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
             furthest[key] = (int(ev.reason[i]), s)
     if binding == BAD_BATCH:
         text += _batch_that_unblocks(graph, mesh, hardware, workload,
-                                     [space.decode(acts[i]) for i in at], space.fixed)
+                                     [space.decode(acts[i]) for i in at], space.fixed,
+                                     cost_model.kernel_options)
     for code in sorted({c for c, _ in furthest.values() if c < binding}):
         stopped = [s for key, (c, s) in sorted(furthest.items()) if c == code]
         names = [_split(s).rsplit(" batch=", 1)[0] for s in stopped]
@@ -148,5 +151,6 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
             f" and {len(names) - MAX_SPLITS_NAMED} more" if len(names) > MAX_SPLITS_NAMED else "")
         text += f"; {shown}: {reason_text(code).split(' (')[0]} at every batch candidate"
         if code == BAD_BATCH:
-            text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped, space.fixed)
+            text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped, space.fixed,
+                                         cost_model.kernel_options)
     return text + not_tp

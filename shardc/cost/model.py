@@ -43,12 +43,13 @@ from shardc.cost.branch_tables import (
 )
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
+from shardc.cost.moe_dispatch import LAYOUT_RULES
 from shardc.cost.topology import mesh_groups
 from shardc.errors import InputError
 from shardc.ir.contract import BRANCHES
 from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
-from shardc.ir.strategy import Mesh, Strategy, Workload, stage_layer_ranges
+from shardc.ir.strategy import Mesh, Strategy, Workload, format_bytes, stage_layer_ranges
 
 # reason codes of an infeasible strategy (0 = feasible), checked in this order
 REASONS = {
@@ -96,23 +97,41 @@ class _Kind:
 class CostModel:
     """``CostModel(graph, mesh, hardware, workload)``; ``evaluate(actions, space)``.
 
-    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element,
-    default the graph's ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak),
-    ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`).
+    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element;
+    default from ``workload.weights`` / ``workload.kv_cache``: 1 for fp8, else the graph's
+    ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak; default: ``workload.weights ==
+    "fp8"``), ``fp8_dispatch`` (MoE dispatch in FP8, :mod:`shardc.cost.moe_dispatch`;
+    default: as ``fp8_gemm``), ``moe_layouts`` (the tensor layouts the MoE exchange may
+    cross at, :data:`shardc.cost.moe_dispatch.LAYOUT_RULES`; default ``"backend"``, what the
+    emitted code runs), ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`), ``kernels``
+    (``"roofline"``, the default here, or ``"silicon"``: measured kernel times where the
+    tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
+    ``kernel_source`` says what prices the model (``"roofline"`` or
+    ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon.
     """
 
     def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
                  *, weight_bytes: float | None = None, kv_bytes: float | None = None,
-                 act_bytes: float | None = None, fp8_gemm: bool = False,
-                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE):
+                 act_bytes: float | None = None, fp8_gemm: bool | None = None,
+                 fp8_dispatch: bool | None = None, moe_layouts: str = "backend",
+                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
+                 engine: str = "vllm"):
+        from shardc.cost.silicon import kernels_for
+
         self.graph, self.mesh, self.workload = graph, mesh, workload
         self.hw = load_hardware(hardware)
+        self.kernels, self.kernel_source, self.kernel_reason = kernels_for(self.hw, kernels, engine)
+        self.kernel_options = {"kernels": kernels, "engine": engine}
         cfg = graph.config
         dtype = float(cfg.get("dtype_bytes", 2) or 2)
-        self.weight_bytes = float(weight_bytes or dtype)
-        self.kv_bytes = float(kv_bytes or dtype)
+        self.weight_bytes = float(weight_bytes or format_bytes(workload.weights, dtype))
+        self.kv_bytes = float(kv_bytes or format_bytes(workload.kv_cache, dtype))
         self.act_bytes = float(act_bytes or dtype)
-        self.fp8_gemm = bool(fp8_gemm)
+        self.fp8_gemm = workload.weights == "fp8" if fp8_gemm is None else bool(fp8_gemm)
+        self.fp8_dispatch = self.fp8_gemm if fp8_dispatch is None else bool(fp8_dispatch)
+        if moe_layouts not in LAYOUT_RULES:
+            raise ValueError(f"moe_layouts {moe_layouts!r}: expected one of {LAYOUT_RULES}")
+        self.moe_layouts = moe_layouts
         self.expert_imbalance = float(expert_imbalance)
         self.hidden = int(cfg.get("hidden", 0))
         if self.hidden <= 0:
@@ -202,7 +221,8 @@ class CostModel:
                   hidden=self.hidden, top_k=self.top_k, num_experts=self.num_experts,
                   weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
                   kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
-                  detail=detail)
+                  detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
+                  moe_layouts=self.moe_layouts, kernels=self.kernels)
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])

@@ -36,23 +36,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from shardc.cache import CACHE_DIR_ENV, NO_CACHE_ENV, cache_dir, cache_enabled  # noqa: F401 (re-exported)
 from shardc.ir.graph import Graph
 
 MAX_ENTRIES = 200  # oldest entries (by modification time) beyond this are deleted
-CACHE_DIR_ENV = "SHARDC_CACHE_DIR"
-NO_CACHE_ENV = "SHARDC_NO_CACHE"
 _PKG = Path(__file__).resolve().parents[1]
-
-
-def cache_enabled() -> bool:
-    """False when ``SHARDC_NO_CACHE`` is set to anything but ``""`` / ``"0"``."""
-    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
-
-
-def cache_dir() -> Path:
-    """``$SHARDC_CACHE_DIR`` or ``~/.cache/shardc/graphs``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "shardc" / "graphs"
 
 
 def _code_files() -> list[Path]:

@@ -121,8 +121,9 @@ class ExpertParallel(ParallelStyle):
 
     Over ``ep`` the expert dim is ``Shard(0)``. Over ``tp`` with ``tp_split`` the experts are
     column parallel then row parallel (``gate_up_proj`` ``Shard(1)`` with gate|up
-    interleaved per rank, ``down_proj`` ``Shard(2)``; the partial sums are all-reduced over
-    tp before the combine); without it they stay replicated over tp. Dispatch: the routed
+    interleaved per rank, ``down_proj`` ``Shard(2)``; the partial sums travel back as they
+    are and are all-reduced over tp after the weighted top-k sum, on ``T`` rows rather than
+    ``T x top_k``); without it they stay replicated over tp. Dispatch: the routed
     (token, expert) pairs are sorted by expert, the per-expert counts exchanged
     (``all_to_all_single`` of ``E`` integers), then the rows go to their experts' owners with
     one uneven ``all_to_all_single`` and come back with one more."""
@@ -180,29 +181,29 @@ def _dispatch_compute_combine(module, x, idx, weights, ep_group, tp_group) -> to
         local = per_src.shape[1]
         row_expert = torch.arange(local).repeat(ep).repeat_interleave(per_src.reshape(-1))
         regroup = torch.argsort(row_expert, stable=True)  # source-major -> expert-major
-        out = _local_experts(module, recv[regroup], per_src.sum(0).tolist(), tp_group)
+        out = _local_experts(module, recv[regroup], per_src.sum(0).tolist())
         back = torch.empty_like(out)
         back[regroup] = out
         out = rows.new_empty(rows.shape)
         dist.all_to_all_single(out, back, send_splits, recv_splits, group=ep_group)
     else:
-        out = _local_experts(module, rows, counts.tolist(), tp_group)
+        out = _local_experts(module, rows, counts.tolist())
     pairs = torch.empty_like(out)
     pairs[order] = out
     # as HF's experts: each weighted row cast to the activation dtype, then summed
-    return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+    out = (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+    if tp_group is not None:  # tp partial sums reduced once per token, after the top-k sum
+        dist.all_reduce(out, group=tp_group)
+    return out
 
 
-def _local_experts(module, rows: torch.Tensor, sizes: list[int], tp_group) -> torch.Tensor:
+def _local_experts(module, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """This rank's experts over ``rows`` grouped by expert (``sizes[j]`` rows for local
-    expert j): gated MLP with the local weight shards; tp partial sums all-reduced."""
+    expert j): gated MLP with the local weight shards (tp-split: partial sums)."""
     gate_up = module.gate_up_proj.to_local()
     down = module.down_proj.to_local()
     outs = []
     for j, chunk in enumerate(rows.split(sizes)):
         gate, up = F.linear(chunk, gate_up[j]).chunk(2, dim=-1)
         outs.append(F.linear(module.act_fn(gate) * up, down[j]))
-    out = torch.cat(outs) if outs else rows.new_empty(0, rows.shape[1])
-    if tp_group is not None:
-        dist.all_reduce(out, group=tp_group)
-    return out
+    return torch.cat(outs) if outs else rows.new_empty(0, rows.shape[1])
