@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.collectives import COLLECTIVE_KINDS
+from shardc.cost.layer_costs import QK_NORMS
 from shardc.ir.contract import MODES, choice_name
 from shardc.ir.strategy import Strategy, stage_layer_ranges
 
@@ -64,6 +65,8 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
             code = int(colls[op][1][0]) if op in colls else 0
             if _f(c_s) > 0:
                 segs.append((f"{COLLECTIVE_KINDS[code]} before {op}", "comm", _f(c_s)))
+            if op == "attn_core" and QK_NORMS in colls and _f(colls[QK_NORMS][4]) > 0:
+                segs.append(("all_reduce q/k norms", "comm", _f(colls[QK_NORMS][4])))
             segs.append((f"{kind_name}.{op}", "compute", _f(oc.time_s)))
         end = colls.get("<end>")
         if end is not None and _f(end[4]) > 0:

@@ -36,8 +36,10 @@ from shardc.ir.contract import (
     kv_head_replicas,
 )
 from shardc.ir.graph import FusedOp
+from shardc.ir.windows import attended_positions, causal_pairs, op_window
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
+QK_NORMS = "attn_core q/k norms"  # detail: the whole-projection q/k norms' all-reduce
 
 
 @dataclass
@@ -166,8 +168,10 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
     """Attention core: decode reads the KV cache at ``decode_flops_per_token_per_context``
     FLOPs per cached position (absorbed MLA for DeepSeek); prefill is causal flash attention
-    at ``flops_per_token_per_context`` (the traced, non-absorbed form). Split by batch, the
-    busiest rank's uneven sequences set the time (:mod:`shardc.cost.imbalance`)."""
+    at ``flops_per_token_per_context`` (the traced, non-absorbed form). A sliding-window
+    core (``attrs["window"]``, :mod:`shardc.ir.windows`) reads and holds ``min(context,
+    window)`` positions per sequence and its prefill is banded causal attention. Split by
+    batch, the busiest rank's uneven sequences set the time (:mod:`shardc.cost.imbalance`)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
     heads = int(a.get("heads", 1) or 1)
@@ -183,26 +187,32 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     kv_frac = np.where(mode == SHARD_BOTH, head_frac, np.where(mode == TOKEN_SPLIT, 1.0 / b.tp, 1.0))
     out_width = op_out_width(fop)
     act = b.tokens * (in_width / d_in + out_width / d_out) * b.act_bytes
+    window = op_window(a)
     if b.phase == "decode":
-        flops = b.seqs * b.context * decode_per_ctx / d_flop
-        traffic = b.seqs * b.context * kv_elems * b.kv_bytes * kv_frac + act
+        read = attended_positions(b.context, window)
+        flops = b.seqs * read * decode_per_ctx / d_flop
+        traffic = b.seqs * read * kv_elems * b.kv_bytes * kv_frac + act
+        length, banded = read, 1.0
     else:
-        flops = b.seqs * b.prompt * (b.prompt + 1) / 2 * per_ctx / d_flop
+        pairs = causal_pairs(b.prompt, window)
+        flops = b.seqs * pairs * per_ctx / d_flop
         traffic = b.tokens * kv_elems * b.kv_bytes * kv_frac + act
+        # a measured causal kernel over the prompt, scaled to the band's query-key pairs
+        length, banded = b.prompt, pairs / causal_pairs(b.prompt, None)
     comp = compute_time(flops, b.hw.attention_eff, b.hw.peak_flops(False))
     mem = memory_time(traffic, b.hw)
-    kv_res = b.seqs_resident * b.kv_context * kv_elems * b.kv_bytes * kv_frac
+    held = attended_positions(b.kv_context, window)
+    kv_res = b.seqs_resident * held * kv_elems * b.kv_bytes * kv_frac
     zero = np.zeros_like(kv_res)
     oc = OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
     if b.kernels is not None:
         by_heads = mode == SHARD_BOTH
         oc = silicon.price_attention(
-            oc, fop.name, b.seqs / np.where(mode == TOKEN_SPLIT, b.tp, 1.0),
-            b.context if b.phase == "decode" else b.prompt,
+            oc, fop.name, b.seqs / np.where(mode == TOKEN_SPLIT, b.tp, 1.0), length,
             np.where(by_heads, heads / b.tp, heads),
             np.where(by_heads, kv_heads / np.minimum(b.tp, kv_heads), kv_heads), hd,
             not split_heads or hd != vhd, flops, traffic, b,
-            mla_v3=not split_heads and kv_elems == 576)
+            mla_v3=not split_heads and kv_elems == 576, scale=banded)
     if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the longest ones set the pace
         imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
         oc = OpCost(oc.compute_s * imb, oc.memory_s * imb, oc.time_s * imb, oc.weight_bytes,
@@ -235,6 +245,22 @@ def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
         return None
     share = min(2.0 * kv * int(a.get("head_dim", 0)) / max(int(qkv.out_features or 1), 1), 1.0)
     return np.where(rows, tp / (1.0 + share * (rep - 1.0)), tp)
+
+
+QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (backends.attention)
+
+
+def qk_norm_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, seconds) of all the all-reduces of whole-projection q/k norms (OLMoE,
+    ``attrs["whole_projection_norms"]`` = n) before the attention core: under a heads split
+    each rank holds a tp slice of the normalised features, so each norm all-reduces its
+    ``T x 1`` fp32 sum of squares over tp (n all-reduces of ``T * 4`` bytes; the bytes
+    returned are their sum); other modes normalise whole rows locally."""
+    norms = int(fop.attrs.get("whole_projection_norms", 0) or 0)
+    S = b.tokens * QK_NORM_SUM_BYTES
+    codes = np.full(b.tp.shape, coll.ALL_REDUCE)
+    t = _pick_collective(codes, S, b.groups["tp"], b.hw, b, QK_NORMS)
+    return norms * S, np.where(mode == SHARD_BOTH, norms * t, 0.0)
 
 
 def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw, b: Batch | None = None,
@@ -283,6 +309,12 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
                 div[:, c] = np.where(div[:, c] > 1, kv_div, div[:, c])
         if fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
+            if fop.attrs.get("whole_projection_norms"):
+                norm_S, norm_s = qk_norm_all_reduce(fop, mode, b)
+                total += norm_s
+                if b.detail:
+                    out.collectives.append((QK_NORMS, np.where(norm_s > 0, coll.ALL_REDUCE, 0),
+                                            "tp", norm_S, norm_s))
         elif fop.name in EXPERT_OPS:
             oc = expert_cost(fop, div, b, ops)
         else:

@@ -338,9 +338,11 @@ def price_expert(oc, op: str, share: float, tokens, hidden: int, inter: int, top
 
 
 def price_attention(oc, op: str, batch, length: float, heads, kv_heads, head_dim: int,
-                    mla: bool, flops, nbytes, b, mla_v3: bool = False):
+                    mla: bool, flops, nbytes, b, mla_v3: bool = False, scale: float = 1.0):
     """The attention core (per-GPU heads / KV heads, ``batch`` sequences); ``mla_v3``: an
-    MLA core with DeepSeek-V3's latent (the only one the MLA tables measure)."""
+    MLA core with DeepSeek-V3's latent (the only one the MLA tables measure); ``scale``
+    multiplies the measured time (a sliding window's banded prefill: its query-key pairs
+    over the causal kernel's)."""
     kv_fp8 = b.kv_bytes <= 1
     shape = (f"{'context' if b.phase == 'prefill' else 'generation'} attention "
              f"batch={_fmt(batch)} length={_fmt(length)} heads={_fmt(heads)} "
@@ -356,7 +358,7 @@ def price_attention(oc, op: str, batch, length: float, heads, kv_heads, head_dim
                                         kv_fp8)
         why = f"{shape}: no measured {b.kernels.engine} row for these heads / head dim"
     floor = np.maximum(flops / b.hw.peak_flops(False), nbytes / b.hw.hbm_bytes_s)
-    return _merge(oc, t, status, floor, b, op, "attention", shape, why)
+    return _merge(oc, t * scale, status, floor, b, op, "attention", shape, why)
 
 
 def price_collective(roof_s, kind, nbytes, group, b, before: str):
