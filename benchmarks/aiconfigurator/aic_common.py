@@ -124,7 +124,7 @@ def moe_parallel_args(tp: int, ep: int, moe: bool, prefix: str = "") -> list[str
     """AIConfigurator's parallel flags for shardc degrees (tp, ep): attention TP ``tp`` and
     attention data-parallel ``ep`` (shardc's ep mesh dim splits the batch outside the expert
     layers), experts TP ``tp`` x EP ``ep`` (Megatron's rule, expert TP = attention TP)."""
-    p = f"--{prefix}" if prefix else "--"
+    p = f"--{prefix}-" if prefix else "--"
     args = [f"{p}tp-size", str(tp)]
     if moe:
         args += [f"{p}attention-dp-size", str(ep), f"{p}moe-tp-size", str(tp),
