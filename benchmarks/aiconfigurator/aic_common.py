@@ -175,8 +175,8 @@ def display_path(text: str) -> str:
 def aic_error_line(stdout: str, stderr: str) -> str:
     """The most telling line of a failed AIConfigurator run."""
     lines = [ln.strip() for ln in (stdout + "\n" + stderr).splitlines() if ln.strip()]
-    for ln in lines:
-        if ln.startswith("Error") or "error" in ln.lower().split(":")[0]:
+    for ln in reversed(lines):  # the last "Error: ..." / "RuntimeError: ..." line
+        if re.match(r"^(Error|\w+Error|\w+Exception)\b.*:", ln):
             return display_path(ln)[:300]
     return display_path(lines[-1] if lines else "no output")[:300]
 
