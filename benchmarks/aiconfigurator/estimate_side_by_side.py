@@ -246,7 +246,12 @@ def markdown(rows, variants, pairs, note, versions, revision, wall_s) -> str:
         f"- shardc at `{revision}`, `shardc simulate MODEL --mesh GxN --degrees ... --batch B "
         "--tpot-slo 1000000 --ttft-slo 1000000 --json FILE`, hardware preset `h100`, Megatron "
         f"per-op choices; {note}. Run {time.strftime('%Y-%m-%d', time.gmtime())}, "
-        f"{wall_s:.0f} s wall for the whole table.",
+        f"{wall_s:.0f} s wall for the whole table. Cost source per variant (plan.json "
+        "`predicted.kernel_source`): " + "; ".join(
+            f"{lab}: " + (", ".join(f"`{k}`" for k in sorted(
+                {str(r["shardc"][lab]["kernel_source"]) for r in rows
+                 if r["shardc"][lab].get("kernel_source")})) or "not reported")
+            for lab, _ in variants) + ".",
         "- Both tools get the same model dimensions: HF config.json files are passed to both; "
         "for the example .py models the script writes their `config()` to a config.json for "
         "AIConfigurator. All weights, activations and KV cache BF16 (AIConfigurator: "
