@@ -58,6 +58,9 @@ class Batch:
     kv_bytes: float
     gemm_peak: float
     detail: bool = False
+    # decode only: prompt tokens of a chunked prefill riding on the step (aggregated serving;
+    # included in ``tokens``), which attend on average to half the prompt
+    chunk_tokens: np.ndarray | float = 0.0
 
 
 @dataclass
@@ -158,6 +161,11 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     if b.phase == "decode":
         flops = b.seqs * b.context * decode_per_ctx / d_flop
         traffic = b.seqs * b.context * kv_elems * b.kv_bytes * kv_frac + act
+        if np.any(b.chunk_tokens):  # chunk: context attention over its prompt prefix
+            flops = flops + b.chunk_tokens * (b.prompt + 1) / 2 * per_ctx / d_flop
+            prompts = np.maximum(b.chunk_tokens / b.prompt, np.minimum(b.chunk_tokens, 1.0))
+            traffic = traffic + (b.chunk_tokens + prompts * b.prompt / 2) * kv_elems \
+                * b.kv_bytes * kv_frac
     else:
         flops = b.seqs * b.prompt * (b.prompt + 1) / 2 * per_ctx / d_flop
         traffic = b.tokens * kv_elems * b.kv_bytes * kv_frac + act

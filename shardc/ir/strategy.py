@@ -77,12 +77,19 @@ class Mesh:
         return cls(int(g_txt), int(n_txt))
 
 
+PHASES = ("decode", "prefill", "serve")
+SERVE_MODES = ("auto", "agg", "disagg")
+
+
 @dataclass
 class Workload:
     """What is served. ``batch`` None means "search it" (``--batch auto``).
 
     context: KV-cache length in tokens seen by each decode step; prompt: prompt tokens per
-    sequence for prefill; SLOs in milliseconds.
+    sequence for prefill; SLOs in milliseconds. ``phase="serve"`` (SPEC section 11): requests
+    of ``isl`` input and ``osl`` output tokens under both SLOs, served by one aggregated pool
+    (``mode="agg"``), a prefill and a decode pool (``"disagg"``) or the better (``"auto"``);
+    ``batch`` then caps the running sequences per replica.
     """
 
     phase: str = "decode"
@@ -91,11 +98,16 @@ class Workload:
     prompt: int = 2048
     tpot_slo_ms: float = 50.0
     ttft_slo_ms: float = 2000.0
+    isl: int = 2048
+    osl: int = 512
+    mode: str = "auto"
 
     def __post_init__(self):
-        if self.phase not in ("decode", "prefill"):
-            raise InputError(f"--phase {self.phase!r}: expected decode or prefill")
-        for name in ("context", "prompt"):
+        if self.phase not in PHASES:
+            raise InputError(f"--phase {self.phase!r}: expected decode, prefill or serve")
+        if self.mode not in SERVE_MODES:
+            raise InputError(f"--mode {self.mode!r}: expected auto, agg or disagg")
+        for name in ("context", "prompt", "isl", "osl"):
             setattr(self, name, check_number(getattr(self, name), f"--{name}", integer=True,
                                              minimum=1, maximum=MAX_TOKENS, unit="tokens"))
         if self.batch is not None:
