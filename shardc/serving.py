@@ -149,6 +149,7 @@ class ServeOutcome:
     binding: str
     slo_moves: list
     chosen_from: str = "rl"
+    pool_plans: dict = field(default_factory=dict)  # role -> Plan (filled by shardc.api)
 
 
 # ------------------------------------------------------------------------------ solving
