@@ -149,6 +149,7 @@ class ServeOutcome:
     binding: str
     slo_moves: list
     chosen_from: str = "rl"
+    own: ServeChoice | None = None  # the searcher's own best (without the Megatron sweep's)
     pool_plans: dict = field(default_factory=dict)  # role -> Plan (filled by shardc.api)
 
 
@@ -270,16 +271,20 @@ def check_serve_positions(graph: Graph, wl: Workload) -> None:
 
 def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str = "rl",
                  budget: int = 4000, seed: int = 0, progress=None,
-                 fixed: dict | None = None) -> ServeOutcome:
+                 fixed: dict | None = None, extra_policies=None) -> ServeOutcome:
     """Search the serving deployment (``wl.phase == "serve"``); InfeasibleError if neither
-    mode meets the SLOs (naming what binds)."""
+    mode meets the SLOs (naming what binds). The Megatron sweep always runs;
+    ``extra_policies`` (default: ``best_practice`` where search/ has it, and ``exact`` for
+    the optimum fraction, time-limited) run besides ``policy``."""
     from shardc.cost.capacity import gpus_short_message
 
     check_serve_positions(graph, wl)
     short = gpus_short_message(graph, replace(wl, batch=1), hardware, mesh.gpus)
     if short:
         raise InfeasibleError(short)
-    extra = [p for p in ("best_practice", "exact") if p in POLICIES and p != policy]
+    if extra_policies is None:
+        extra_policies = ("best_practice", "exact")
+    extra = [p for p in extra_policies if p in POLICIES and p != policy]
     modes = ("agg", "disagg") if wl.mode == "auto" else (wl.mode,)
     pools: dict[str, PoolSearch] = {}
     if "agg" in modes:
@@ -355,7 +360,7 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
                       "changes": bool(alt and alt.describe() != choice.describe())})
     return ServeOutcome(wl, mesh, choice, searched, pools, mega, bp, exact, complete, pareto,
                         _alternatives(choice, pools, everything, wl, G),
-                        binding_constraint(choice, pools, wl), moves, chosen_from)
+                        binding_constraint(choice, pools, wl), moves, chosen_from, own)
 
 
 def _agg_points(pool: PoolSearch, tags, wl: Workload, G: int) -> list[dict]:

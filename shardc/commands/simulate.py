@@ -124,8 +124,19 @@ def run(args) -> int:
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
-    cm = CostModel(graph, mesh, hw, workload)
-    space = StrategySpace(graph, mesh, workload)
+    if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
+        from shardc.cost.serving import pool_cost_model, pool_workload
+        from shardc.serving import check_serve_positions
+
+        if workload.mode == "disagg":
+            raise InputError("simulate --phase serve prices one aggregated pool (--mode agg); "
+                             "price a disaggregated pool with --phase prefill or decode")
+        check_serve_positions(graph, workload)
+        cm = pool_cost_model(graph, mesh, hw, workload, "mixed")
+        space = StrategySpace(graph, mesh, pool_workload(workload, "mixed"))
+    else:
+        cm = CostModel(graph, mesh, hw, workload)
+        space = StrategySpace(graph, mesh, workload)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "
@@ -149,7 +160,8 @@ def run(args) -> int:
                "mesh": {"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes,
                         "hardware": hw.name},
                "workload": {"phase": workload.phase, "batch": int(batch),
-                            "context": workload.context, "prompt": workload.prompt,
+                            "context": cm.workload.context, "prompt": cm.workload.prompt,
+                            "isl": workload.isl, "osl": workload.osl,
                             "tpot_slo_ms": workload.tpot_slo_ms,
                             "ttft_slo_ms": workload.ttft_slo_ms},
                "degrees": deg.as_dict(), "choices": strategy.choice_names(),
