@@ -1,0 +1,96 @@
+"""--phase serve end to end on the tiny model: plan.json schema 2 (serving section) validates
+and round-trips, schema 1 plans still load, the Pareto fronts are monotone, disaggregated
+plans emit one parallelize file per pool, and a bad serving section is refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.cli import main
+from shardc.errors import InputError
+from shardc.ir.strategy import Workload
+from shardc.plan import load_plan, validate_plan_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "examples" / "tiny_llama.py")
+SCHEMA1 = ROOT / "tests" / "data" / "warm_path" / "tiny_llama_4x1_megatron.plan.json"
+
+
+def _serve(mode: str, **kw) -> Workload:
+    return Workload(phase="serve", isl=256, osl=64, mode=mode, **kw)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {mode: shardc.compile(TINY, mesh="4x1", workload=_serve(mode), search="megatron")
+            for mode in ("agg", "disagg")}
+
+
+def test_schema2_plan_validates_and_round_trips(plans, tmp_path):
+    for mode, plan in plans.items():
+        d = plan.to_dict()
+        assert d["schema_version"] == 2 and d["workload"]["phase"] == "serve"
+        assert (d["workload"]["isl"], d["workload"]["osl"]) == (256, 64)
+        sv = d["serving"]
+        assert sv["mode"] == mode
+        assert d["predicted"]["tok_s_per_gpu"] == sv["predicted"]["tok_s_per_gpu"]
+        validate_plan_dict(json.loads(json.dumps(d)))
+        back = load_plan(plan.save(tmp_path / f"{mode}.json"))
+        assert back.to_dict() == json.loads(json.dumps(d))
+        gpus = sum(p["workers"] * p["gpus_per_worker"] for p in sv["pools"])
+        assert gpus <= 4
+        assert [p["role"] for p in sv["pools"]] == (["mixed"] if mode == "agg"
+                                                    else ["prefill", "decode"])
+
+
+def test_pareto_fronts_are_monotone(plans):
+    for plan in plans.values():
+        for mode in ("agg", "disagg"):
+            pts = [p for p in plan.serving["pareto"] if p["mode"] == mode]
+            users = [p["tok_s_per_user"] for p in pts]
+            gpu = [p["tok_s_per_gpu"] for p in pts]
+            assert users == sorted(users) and len(set(users)) == len(users)
+            assert all(a > b for a, b in zip(gpu, gpu[1:]))
+
+
+def test_schema1_plan_still_loads():
+    plan = load_plan(SCHEMA1)
+    assert plan.schema_version == 1 and not plan.serving
+    assert "serving" not in plan.to_dict()
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["serving"]["pools"][0].update(workers=99), "pool"),
+    (lambda d: d["serving"].update(mode="both"), "mode"),
+    (lambda d: d["workload"].update(osl=0), "osl"),
+])
+def test_bad_serving_section_is_refused(plans, edit, match):
+    d = copy.deepcopy(plans["disagg"].to_dict())
+    edit(d)
+    with pytest.raises(InputError, match=match):
+        validate_plan_dict(d)
+
+
+def test_compile_serve_writes_pool_files(tmp_path, capsys):
+    out = tmp_path / "o"
+    rc = main(["compile", TINY, "--mesh", "4x1", "--phase", "serve", "--isl", "256", "--osl",
+               "64", "--mode", "disagg", "--search", "megatron", "--quiet", "--out", str(out)])
+    assert rc == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"plan.json", "pareto.png", "parallelize_prefill.py", "parallelize_decode.py"} <= names
+    assert "parallelize.py" not in names
+    for role in ("prefill", "decode"):
+        compile((out / f"parallelize_{role}.py").read_text(), role, "exec")
+    text = capsys.readouterr().out
+    assert "binding constraint" in text and "SLOs -20%" in text and "SLOs +20%" in text
+
+
+def test_serve_flags_are_checked(capsys):
+    assert main(["compile", TINY, "--mesh", "4x1", "--phase", "serve", "--osl", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardc: error: --osl 0") and len(err.strip().splitlines()) == 1
