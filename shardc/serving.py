@@ -17,7 +17,8 @@ produced it). Everything reported is then *solved from the recorded rows*:
 * baselines: the same solve over the rows of the Megatron sweep only.
 
 The disaggregated pools are searched on half the mesh (a worker must leave room for the
-other pool); a pool's ``dp`` in the reported strategy is its number of workers.
+other pool), each with half the budget (a mode gets ``budget`` evaluations: agg one pool,
+disagg two); a pool's ``dp`` in the reported strategy is its number of workers.
 """
 
 from __future__ import annotations
@@ -297,8 +298,9 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
                              "fix tp/ep/pp, or use --mode agg")
         for role in ("prefill", "decode"):
             try:
-                pools[role] = _search_pool(graph, half, hardware, wl, role, policy, budget,
-                                           seed, fixed, None, extra, full_mesh=mesh)
+                pools[role] = _search_pool(graph, half, hardware, wl, role, policy,
+                                           max(budget // 2, 1), seed, fixed, None, extra,
+                                           full_mesh=mesh)
             except InputError:
                 if wl.mode == "disagg":
                     raise
@@ -435,10 +437,10 @@ def _nothing_fits(wl: Workload, mesh: Mesh, pools: dict) -> str:
             continue
         fits = t["fits"]
         if role != "prefill":
-            parts.append(f"{role}: best TPOT {np.nanmin(np.where(fits, t['tpot'], np.inf)):.1f} "
+            parts.append(f"{role}: best TPOT {np.nanmin(np.where(fits, t['tpot'], np.inf)):.3g} "
                          f"ms (SLO {wl.tpot_slo_ms:g})")
         if role != "decode":
-            parts.append(f"{role}: best TTFT {np.nanmin(np.where(fits, t['ttft'], np.inf)):.0f} "
+            parts.append(f"{role}: best TTFT {np.nanmin(np.where(fits, t['ttft'], np.inf)):.3g} "
                          f"ms (SLO {wl.ttft_slo_ms:g})")
     return (f"no serving plan on {mesh} meets TTFT <= {wl.ttft_slo_ms:g} ms and TPOT <= "
             f"{wl.tpot_slo_ms:g} ms for {wl.isl}/{wl.osl} tokens: " + "; ".join(parts))

@@ -94,3 +94,36 @@ def test_serve_flags_are_checked(capsys):
     assert main(["compile", TINY, "--mesh", "4x1", "--phase", "serve", "--osl", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardc: error: --osl 0") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,code,match", [
+    (["--mesh", "1x1", "--mode", "disagg"], 2, "--mode disagg: mesh 1x1 has one GPU"),
+    (["--mode", "disagg", "--degrees", "dp=2"], 2, "--degrees dp: a disaggregated pool"),
+    (["--tpot-slo", "0.001", "--ttft-slo", "0.001"], 3, "no serving plan on 4x1 meets"),
+])
+def test_serve_errors_are_one_line(argv, code, match, capsys, tmp_path):
+    base = ["compile", TINY, "--mesh", "4x1", "--phase", "serve", "--search", "megatron",
+            "--quiet", "--out", str(tmp_path / "o")]
+    assert main(base + argv) == code
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_simulate_serve_prices_the_aggregated_pool_only(capsys):
+    args = ["simulate", TINY, "--mesh", "4x1", "--phase", "serve", "--degrees", "tp=2"]
+    assert main(args + ["--mode", "disagg"]) == 2
+    assert "prices one aggregated pool" in capsys.readouterr().err
+    assert main(args + ["--mode", "agg"]) == 0
+    assert "TTFT (ms)" in capsys.readouterr().out
+
+
+def test_serve_longer_than_the_model_positions_is_refused():
+    from shardc.serving import check_serve_positions
+    from tests.cost_graphs import fixture_graph
+
+    g = fixture_graph("tiny_llama")
+    g.config["max_position_embeddings"] = 512
+    check_serve_positions(g, _serve("agg"))  # 256 + 64 fits
+    with pytest.raises(InputError, match=r"--isl 500 \+ --osl 64 = 564 tokens is longer"):
+        check_serve_positions(g, Workload(phase="serve", isl=500, osl=64))
