@@ -326,16 +326,20 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
         got = [c for c in by_mode.values() if c is not None]
         return max(got, key=lambda c: c.tok_s_per_gpu) if got else None
 
-    searched = solve({policy, "megatron"})
+    baselines = [t for t in ("megatron", "best_practice") if t == "megatron" or t in extra]
+    searched = solve({policy, *baselines})  # never a plan worse than a baseline of the run
     choice = best(searched)
-    mega = best(solve({"megatron"}))
     if choice is None:
         raise InfeasibleError(_nothing_fits(wl, mesh, pools))
     own = best(solve({policy}))
+    base = {t: best(solve({t})) for t in baselines}
     chosen_from = policy
-    if mega is not None and (own is None or mega.tok_s_per_gpu > own.tok_s_per_gpu):
-        chosen_from = "megatron"  # never a plan worse than the baseline of the same run
-    bp = best(solve({"best_practice"})) if "best_practice" in extra else None
+    for t, c in base.items():
+        if c is not None and c.tok_s_per_gpu > max(
+                [own.tok_s_per_gpu if own else -1.0]
+                + [b.tok_s_per_gpu for u, b in base.items() if b is not None and u != t]):
+            chosen_from = t
+    mega, bp = base["megatron"], base.get("best_practice")
     exact, complete = None, False
     if "exact" in (policy, *extra):
         exact = best(solve({"exact", "megatron"}))
