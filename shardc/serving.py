@@ -247,6 +247,8 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
     ``full_mesh``, the physical mesh)."""
     pw = pool_workload(wl, role)
     space = StrategySpace(graph, mesh, pw, fixed=dict(fixed or {}))
+    if role != "prefill":
+        space.values["batch"] = capped_batches(space.values["batch"], wl.batch)
     cm = pool_cost_model(graph, mesh, hw, wl, role)
     transfer = None
     if role == "prefill":
@@ -260,6 +262,14 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
         pool.results[tag] = run_search(tag, space, obj, budget=budget, seed=seed,
                                        progress=progress if tag == policy else None, **opts)
     return pool
+
+
+def capped_batches(grid: list[int], cap: int | None) -> list[int]:
+    """The batch candidates of a mixed or decode pool under ``--batch cap`` (running
+    sequences per replica): the grid values below the cap, and the cap (the grid if None)."""
+    if cap is None:
+        return list(grid)
+    return sorted({b for b in grid if b < cap} | {int(cap)})
 
 
 def check_serve_positions(graph: Graph, wl: Workload) -> None:
@@ -413,11 +423,12 @@ def _alternatives(choice: ServeChoice, pools, tags, wl: Workload, G: int) -> lis
 
 def binding_constraint(choice: ServeChoice, pools, wl: Workload) -> str:
     """What stops the throughput-setting pool (mixed / decode) from running twice the batch:
-    ``memory``, ``TPOT`` or ``TTFT`` (``batch grid`` at the largest candidate)."""
+    ``memory``, ``TPOT`` or ``TTFT`` (``batch grid`` at the largest candidate, ``--batch cap``
+    at the user's cap)."""
     role, _, strategy, _ = choice.pools[-1]
     pool = pools[role]
     if 2 * strategy.batch not in pool.space.values["batch"]:
-        return "batch grid"
+        return "--batch cap" if wl.batch and strategy.batch >= wl.batch else "batch grid"
     s = Strategy(replace(strategy.degrees, dp=pool.space.mesh.gpus // strategy.degrees.replica_gpus),
                  2 * strategy.batch, strategy.choices)
     ev = pool.cost_model.evaluate(pool.space.encode(s)[None, :], pool.space)

@@ -127,3 +127,12 @@ def test_serve_longer_than_the_model_positions_is_refused():
     check_serve_positions(g, _serve("agg"))  # 256 + 64 fits
     with pytest.raises(InputError, match=r"--isl 500 \+ --osl 64 = 564 tokens is longer"):
         check_serve_positions(g, Workload(phase="serve", isl=500, osl=64))
+
+
+def test_serve_batch_is_a_cap():
+    plan = shardc.compile(TINY, mesh="4x1", workload=_serve("agg", batch=48), search="megatron")
+    pool = plan.serving["pools"][0]
+    assert pool["batch"] <= 48
+    assert plan.serving["binding"] in ("--batch cap", "memory", "TPOT", "TTFT")
+    if pool["batch"] == 48:
+        assert plan.serving["binding"] == "--batch cap"

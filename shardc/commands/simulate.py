@@ -126,7 +126,7 @@ def run(args) -> int:
         raise InfeasibleError(short)
     if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
         from shardc.cost.serving import pool_cost_model, pool_workload
-        from shardc.serving import check_serve_positions
+        from shardc.serving import capped_batches, check_serve_positions
 
         if workload.mode == "disagg":
             raise InputError("simulate --phase serve prices one aggregated pool (--mode agg); "
@@ -144,6 +144,9 @@ def run(args) -> int:
     tp_idx = space.values["tp"].index(deg.tp)
     choices = parse_choices(args.choices, space, tp_idx)
     batch = workload.batch
+    if workload.phase == "serve":  # --batch caps the running sequences per replica
+        space.values["batch"] = capped_batches(space.values["batch"], batch)
+        batch = None
     if batch is None:  # pick the best feasible batch candidate
         acts = np.array([space.encode(Strategy(deg, b, choices)) for b in space.values["batch"]])
         ev = cm.evaluate(acts, space)

@@ -46,10 +46,11 @@ def decode_context(wl: Workload) -> tuple[int, float]:
 def pool_workload(wl: Workload, role: str) -> Workload:
     """The single-phase workload a pool's CostModel prices (``role`` in :data:`ROLES`):
     mixed and decode steps hold ``isl + osl`` tokens per sequence; prefill runs ``isl``-token
-    prompts (batch searched); the SLOs are the serving SLOs."""
+    prompts; the batch is searched (a serving ``--batch`` is a cap, applied to the space by
+    :func:`shardc.serving.capped_batches`); the SLOs are the serving SLOs."""
     held, _ = decode_context(wl)
     phase = "prefill" if role == "prefill" else "decode"
-    return Workload(phase=phase, batch=None if role == "prefill" else wl.batch, context=held,
+    return Workload(phase=phase, batch=None, context=held,
                     prompt=wl.isl, tpot_slo_ms=wl.tpot_slo_ms, ttft_slo_ms=wl.ttft_slo_ms,
                     isl=wl.isl, osl=wl.osl)
 
