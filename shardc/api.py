@@ -62,6 +62,14 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
                                 budget, seed, progress, name, degrees=degrees)[0]
 
 
+def _baseline_entry(space, result) -> dict:
+    """plan.json ``baseline.<name>``: the baseline's degrees and tok/s/GPU (None, None when
+    it found nothing feasible or did not run)."""
+    found = result is not None and result.best_action is not None
+    return {"degrees": space.decode(result.best_action).degrees.as_dict() if found else None,
+            "tok_s_per_gpu": float(result.best_value) if found else None}
+
+
 def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          hardware: str = "h100", workload: Workload | None = None,
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
@@ -98,12 +106,9 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                           seed=int(seed), progress=progress, fixed=fixed)
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
-    mega = outcome.megatron
-    baseline = {"megatron": {
-        "degrees": (outcome.space.decode(mega.best_action).degrees.as_dict()
-                    if mega.best_action is not None else None),
-        "tok_s_per_gpu": float(mega.best_value) if mega.best_action is not None else None,
-    }}
+    baseline = {name: _baseline_entry(outcome.space, result)
+                for name, result in (("megatron", outcome.megatron),
+                                     ("best_practice", outcome.best_practice))}
     search_info = {
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,

@@ -336,7 +336,6 @@ def test_apply_plan_driver_places_like_the_plan():
 
 @pytest.mark.parametrize("degrees, choices, what", [
     ({"tp": 2, "sp": 2}, _with(DENSE, D, qkv="rep"), "qkv rep under sequence parallelism"),
-    ({"tp": 2, "pp": 2}, DENSE, "pp=2"),
     ({"tp": 4}, _with(DENSE, D, qkv="row", attn_core="batch"), "batch-split attention after qkv row"),
 ])
 def test_uncovered_plan_is_refused_naming_what(degrees, choices, what):

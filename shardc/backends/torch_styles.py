@@ -16,12 +16,13 @@ Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): HF cau
 decoder layers are ``model.layers.<i>`` with Llama-style attention (``q/k/v/o_proj``, per-head
 q/k norms, biases) or DeepSeek MLA (``q_a/q_b`` or ``q_proj``, ``kv_a_proj_with_mqa``,
 ``kv_b_proj``), a dense gated MLP or an HF sparse-MoE block (``mlp.gate`` + stacked
-``mlp.experts``, optional ``shared_experts``); pp = 1; a router of choice ``rep``; experts
+``mlp.experts``, optional ``shared_experts``); a router of choice ``rep``; experts
 ``col``/``row`` (not under sequence parallelism) or ``rep``/``rep``; batch-split attention
 with ``rep`` q/k/v; under sequence parallelism the rows the attention module receives must
 be the rows its core computes on (the model's own attention forward derives shapes from
 its input). A repair before a branch's first op is made once at the branch module
-(``PrepareModuleInput`` on ``self_attn`` / ``mlp`` / ``mlp.shared_experts``).
+(``PrepareModuleInput`` on ``self_attn`` / ``mlp`` / ``mlp.shared_experts``). With pp > 1
+the same plans run on each pipeline stage's submesh (:mod:`shardc.backends.pipeline_styles`).
 """
 
 from __future__ import annotations
@@ -166,8 +167,6 @@ def style_plan(plan) -> StylePlan:
     """The :class:`StylePlan` of a :class:`shardc.plan.Plan` (raises :class:`NotCovered`)."""
     st = plan.strategy()
     deg = st.degrees
-    if deg.pp > 1:
-        raise NotCovered(f"pp={deg.pp} (pipeline stages) is not covered yet")
     others = sorted({str(p["fqn"]) for p in plan.params
                      if not _LAYER.match(str(p["fqn"]))} - GLOBAL_PARAMS)
     if others:

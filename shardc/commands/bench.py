@@ -3,7 +3,7 @@
 Cases are data (``shardc/search/suites.toml``). For each case: the graph (traced once, then
 read from the graph cache, :mod:`shardc.frontends.graph_cache`), the cost model, then
 ``rl``, ``sa``, ``rw``, ``ga`` over ``--seeds`` seeds at ``--budget`` evaluations, and the
-``megatron`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
+``megatron``, ``best_practice`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
 ``benchmarks/<suite>.json``: ``{"rows": [{case, policy, seeds, mean, best, evaluations,
 wall_s}]}``, mean/best in tok/s/GPU over seeds, evaluations and wall_s per search), the
 markdown tables ``benchmarks/<suite>.md`` (notes written by hand below its ``NOTES_MARKER`` line
@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
     g.add_argument("--ray", metavar="ADDRESS", default=None, help="run cases on a Ray cluster")
     p.add_argument("--json", default=None, help="rows JSON (default benchmarks/<suite>.json)")
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated subset (default all, both baselines included)")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
@@ -200,6 +201,7 @@ def run(args) -> int:
         def plot(path):
             plot_search_curve(path, {p: c for p, c in first["curves"].items() if p in SEEDED},
                               megatron=by.get("megatron", {}).get("best"),
+                              best_practice=by.get("best_practice", {}).get("best"),
                               exact=by.get("exact", {}).get("best"),
                               title=cases[0]["name"] + " (seed 0)")
 

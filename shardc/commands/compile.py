@@ -100,10 +100,7 @@ def summary_table(plan) -> str:
 
     d = plan.degrees
     pred = plan.predicted
-    mega = (plan.baseline or {}).get("megatron") or {}
-    ratio = ""
-    if mega.get("tok_s_per_gpu"):
-        ratio = f"{pred['tok_s_per_gpu'] / mega['tok_s_per_gpu']:.3f}x"
+    ratios = baseline_ratios(plan)
     deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
     rows = [
         ["degrees", f"{deg} batch={plan.workload['batch']}"],
@@ -111,12 +108,39 @@ def summary_table(plan) -> str:
         ["TPOT (ms)", number_or_dash(pred.get("tpot_ms"), ".2f")],
         ["TTFT (ms)", number_or_dash(pred.get("ttft_ms"), ".1f")],
         ["memory/GPU (GB)", number_or_dash(pred.get("memory_gb_per_gpu"), ".1f")],
-        ["vs Megatron heuristic", ratio or "-"],
+        ["vs Megatron heuristic", ratios.get("megatron", "-")],
+        ["vs best practice", ratios.get("best_practice", "-")],
     ]
-    if plan.search.get("chosen_from") == "megatron" and plan.search.get("policy") != "megatron":
-        rows.append(["note", f"{plan.search['policy']} found nothing better than the Megatron "
-                             "heuristic within its budget; its plan is kept"])
+    if "stronger" in ratios:
+        rows.append([f"gain vs stronger baseline ({BASELINE_NAMES[ratios['stronger']]})",
+                     ratios[ratios["stronger"]]])
+    chosen = plan.search.get("chosen_from")
+    if chosen in BASELINE_NAMES and plan.search.get("policy") != chosen:
+        rows.append(["note", f"{plan.search['policy']} found nothing better than the "
+                             f"{BASELINE_NAMES[chosen]} baseline within its budget; its plan "
+                             "is kept"])
     return tabulate(rows, tablefmt="simple")
+
+
+BASELINE_NAMES = {"megatron": "Megatron heuristic", "best_practice": "best practice"}
+
+
+def baseline_ratios(plan) -> dict[str, str]:
+    """The plan's tok/s/GPU over each baseline's in plan.json ``baseline`` ({name: "1.234x"},
+    names of :data:`BASELINE_NAMES` with a feasible plan) and ``"stronger"``: the name of the
+    stronger baseline (the one the search's gain is claimed against; Megatron on a tie)."""
+    value = (plan.predicted or {}).get("tok_s_per_gpu")
+    out, best = {}, None
+    for name in BASELINE_NAMES:
+        base = ((plan.baseline or {}).get(name) or {}).get("tok_s_per_gpu")
+        if value is None or not base:
+            continue
+        out[name] = f"{value / base:.3f}x"
+        if best is None or base > best[1]:
+            best = (name, base)
+    if best is not None:
+        out["stronger"] = best[0]
+    return out
 
 
 def run(args) -> int:
@@ -152,14 +176,34 @@ def run(args) -> int:
     }
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
         files["parallelize.py"] = plan.code(standalone=args.standalone)
+    files.update(launch_files(plan, outcome))
     written = write_outputs(out, files)
     print(summary_table(plan))
-    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
     if from_onnx:
         from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE
 
         print(ONNX_PARALLELIZE_NOTE)
     return 0
+
+
+def launch_files(plan, outcome) -> dict:
+    """``launch/{vllm,sglang}_<role>.sh`` of a single-phase plan: one pool, role
+    :func:`~shardc.backends.launch.role_for_phase` (decode -> mixed, prefill -> prefill),
+    max model length = the decode context or the prompt (tokens), memory fraction = the share
+    of HBM the cost model lets a plan fill (1 - the hardware's headroom)."""
+    from shardc.backends.launch import LaunchPool, launch_scripts, role_for_phase
+    from shardc.search import cost_model_objective
+
+    wl = plan.workload
+    pool = LaunchPool(
+        role=role_for_phase(wl["phase"]), strategy=outcome.strategy, model=plan.model["name"],
+        max_model_len=int(wl["context"] if wl["phase"] == "decode" else wl["prompt"]),
+        mem_fraction=1.0 - float(outcome.cost_model.hw.headroom),
+        kv_cache=str(wl.get("kv_cache") or "bf16"), weights=str(wl.get("weights") or "bf16"))
+    return launch_scripts(pool, outcome.space,
+                          cost_model_objective(outcome.cost_model, outcome.space),
+                          plan_value=plan.predicted.get("tok_s_per_gpu"))
 
 
 def _plot(path, outcome, plan) -> str:
@@ -171,5 +215,7 @@ def _plot(path, outcome, plan) -> str:
     title = search_title(plan.model["name"], mesh, plan.mesh["hardware"], plan.workload,
                          plan.search["policy"], plan.search["budget"])
     curves = {outcome.searched.policy: outcome.searched.curve}
+    bp = outcome.best_practice
     return plot_search_curve(path, curves, megatron=outcome.megatron.best_value,
-                             exact=outcome.exact_value, title=title)
+                             exact=outcome.exact_value, title=title,
+                             best_practice=bp.best_value if bp is not None and bp.found else None)

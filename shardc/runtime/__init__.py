@@ -19,10 +19,13 @@ from shardc.runtime.apply import (
     make_mesh,
     submesh,
 )
+from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.styles import BatchSplitAttention, ExpertParallel, ReplicateParallel
 
 SOURCES = ("styles.py", "apply.py")  # inlined in this order by ``--standalone``
+PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "PrepareModuleInput",
            "Replicate", "ReplicateParallel", "RowwiseParallel", "SOURCES", "Shard", "apply_plan",
-           "decoder_layers", "install_batch_split", "make_mesh", "parallelize_module", "submesh"]
+           "decoder_layers", "install_batch_split", "keep_stage", "make_mesh", "parallelize_module",
+           "pipeline", "submesh"]

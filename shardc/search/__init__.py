@@ -7,9 +7,10 @@ Entry point::
 ``objective(actions[B, A]) -> (tok_s_per_gpu[B], feasible[B])`` (see
 :mod:`shardc.search.objective`; :func:`cost_model_objective` adapts shardc.cost's
 CostModel). Policies: ``rl``, ``sa``, ``rw``, ``ga`` (spend exactly ``budget`` evaluations),
-``megatron`` (an exhaustive sweep of Megatron-dims strategies) and ``exact`` (every legal
-strategy; the ceiling). Every searcher evaluates and returns only legal actions (see
-:mod:`shardc.search.legal`). Same seed and inputs, same result.
+``megatron`` (an exhaustive sweep of Megatron-dims strategies), ``best_practice`` (the same
+sweep over the per-op rules SGLang / Megatron-Core deploy, :mod:`shardc.search.baselines`)
+and ``exact`` (every legal strategy; the ceiling). Every searcher evaluates and returns only
+legal actions (see :mod:`shardc.search.legal`). Same seed and inputs, same result.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from shardc.search.objective import (
     cost_model_objective,
 )
 
-POLICIES = ("rl", "sa", "rw", "ga", "megatron", "exact")
+POLICIES = ("rl", "sa", "rw", "ga", "megatron", "best_practice", "exact")
+SWEEPS = ("megatron", "best_practice", "exact")  # deterministic; evaluations = sweep size
 
 
 @dataclass
@@ -56,7 +58,8 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
     """Search ``space`` for the action maximising ``objective``.
 
     ``budget`` caps simulator evaluations (every one counts, infeasible included) for
-    rl/sa/rw/ga; megatron and exact are sweeps whose size is reported in ``evaluations``.
+    rl/sa/rw/ga; megatron, best_practice and exact are sweeps whose size is reported in
+    ``evaluations``.
     ``options`` go to the searcher (e.g. ``cfg=RLConfig(...)`` for rl,
     ``time_limit_s`` for exact). ``exact`` uses the cost model's branch decomposition
     (:mod:`shardc.search.exact_decomposed`) when ``objective`` is a
@@ -71,7 +74,7 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
         raise ValueError(f"unknown search policy {policy!r} (expected one of {', '.join(POLICIES)})")
     sampler = LegalSampler(space)
     rng = np.random.default_rng(seed)
-    sweep = policy in ("megatron", "exact")
+    sweep = policy in SWEEPS
     meter = Budget(objective, None if sweep else budget, progress)
     complete = True
     extra: dict = {}
@@ -94,7 +97,8 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
                 complete = False
     else:
         fn = {"sa": baselines.search_sa, "rw": baselines.search_rw, "ga": baselines.search_ga,
-              "megatron": baselines.search_megatron}[policy]
+              "megatron": baselines.search_megatron,
+              "best_practice": baselines.search_best_practice}[policy]
         fn(sampler, meter, rng, **options)
     wall = time.perf_counter() - t0
     if meter.best_action is not None:
@@ -105,13 +109,15 @@ def run_search(policy: str, space, objective: Objective, budget: int = 4000, see
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
-                      exact: float | None = None, title: str = "") -> str:
+                      exact: float | None = None, title: str = "",
+                      best_practice: float | None = None) -> str:
     """Write ``search.png``: best-so-far tok/s/GPU against evaluations for each searcher in
     ``curves`` ({name: [(evals, best)]}), with horizontal Megatron / exact lines if given;
     returns the title drawn."""
     from shardc.search.plot import plot_search_curve as _plot
 
-    return _plot(path, curves, megatron=megatron, exact=exact, title=title)
+    return _plot(path, curves, megatron=megatron, exact=exact, title=title,
+                 best_practice=best_practice)
 
 
 __all__ = ["POLICIES", "SearchResult", "run_search", "plot_search_curve", "cost_model_objective",
