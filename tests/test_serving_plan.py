@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,13 @@ def test_compile_serve_writes_pool_files(tmp_path, capsys):
     assert "parallelize.py" not in names
     for role in ("prefill", "decode"):
         compile((out / f"parallelize_{role}.py").read_text(), role, "exec")
+        for engine in ("vllm", "sglang"):  # one launch script per pool and engine
+            script = out / "launch" / f"{engine}_{role}.sh"
+            assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    plan = json.loads((out / "plan.json").read_text())
+    for pool in plan["serving"]["pools"]:
+        text = (out / "launch" / f"vllm_{pool['role']}.sh").read_text()
+        assert f"WORKERS={pool['workers']}" in text
     text = capsys.readouterr().out
     assert "binding constraint" in text and "SLOs -20%" in text and "SLOs +20%" in text
 
