@@ -19,7 +19,7 @@ from shardc.plan import load_plan, validate_plan_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny_llama.py")
-SCHEMA1 = ROOT / "tests" / "data" / "warm_path" / "tiny_llama_4x1_megatron.plan.json"
+SCHEMA1 = ROOT / "tests" / "data" / "serving" / "schema1_tiny_llama.plan.json"  # pre-schema 2
 
 
 def _serve(mode: str, **kw) -> Workload:
