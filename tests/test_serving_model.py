@@ -90,6 +90,9 @@ def test_best_ratio_balances_the_pools():
     # 1 prefill + 3 decode workers -> min(3, 3) = 3 req/s
     assert best_ratio({2: 3.0}, 2, 1.0, 8) == (2, 1, 3, 3.0)
     assert best_ratio({8: 3.0}, 2, 1.0, 8) is None  # nothing left for decode
+    # a slow prefill (0.5 req/s per worker): 2 prefill workers feed one decode worker; no
+    # second decode worker is deployed to sit idle, and 2 GPUs stay free
+    assert best_ratio({2: 0.5}, 2, 1.0, 8) == (2, 2, 1, 1.0)
 
 
 def test_upper_envelope_is_monotone_and_dominates():

@@ -97,8 +97,9 @@ def best_ratio(prefill_rates: dict[int, float], decode_gpus: int, decode_rate: f
                mesh_gpus: int) -> tuple[int, int, int, float] | None:
     """The disaggregated deployment around one decode worker (``decode_gpus`` GPUs serving
     ``decode_rate`` requests/s): over prefill worker sizes ``g`` (``prefill_rates[g]`` =
-    prompts/s of the best worker of that size) and counts ``x >= 1``, with the most decode
-    workers ``y >= 1`` that fit, maximise ``min(x P, y D)`` (requests/s). Returns
+    prompts/s of the best worker of that size) and counts ``x >= 1``, with as many decode
+    workers ``y >= 1`` as fit and the prefill can feed, maximise ``min(x P, y D)``
+    (requests/s). Returns
     ``(prefill_gpus, x, y, requests/s)`` or None if no pair fits; ties keep fewer GPUs.
     A size ``g = 0`` is a prefill needing no GPUs (the limit of free prefill): every GPU
     decodes."""
@@ -112,7 +113,9 @@ def best_ratio(prefill_rates: dict[int, float], decode_gpus: int, decode_rate: f
             best = cand if best is None or cand[3] > best[3] * (1 + 1e-12) else best
             continue
         x = np.arange(1, (mesh_gpus - decode_gpus) // g + 1)
-        y = (mesh_gpus - x * g) // decode_gpus
+        y_max = (mesh_gpus - x * g) // decode_gpus
+        # no more decode workers than the prefill workers can feed
+        y = np.clip(np.ceil(x * p_rate / decode_rate - 1e-9), 1, y_max).astype(np.int64)
         rate = np.minimum(x * p_rate, y * decode_rate)
         used = x * g + y * decode_gpus
         i = int(np.lexsort((used, -rate))[0])
