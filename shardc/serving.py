@@ -349,7 +349,8 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
                 [own.tok_s_per_gpu if own else -1.0]
                 + [b.tok_s_per_gpu for u, b in base.items() if b is not None and u != t]):
             chosen_from = t
-    mega, bp = base["megatron"], base.get("best_practice")
+    mega = base["megatron"]
+    bp = own if policy == "best_practice" else base.get("best_practice")
     exact, complete = None, False
     if "exact" in (policy, *extra):
         exact = best(solve({"exact", "megatron"}))

@@ -28,8 +28,8 @@ def _serve(mode: str, **kw) -> Workload:
 
 @pytest.fixture(scope="module")
 def plans():
-    return {mode: shardc.compile(TINY, mesh="4x1", workload=_serve(mode), search="megatron")
-            for mode in ("agg", "disagg")}
+    return {mode: shardc.compile(TINY, mesh="4x1", workload=_serve(mode), search=search)
+            for mode, search in (("agg", "megatron"), ("disagg", "best_practice"))}
 
 
 def test_schema2_plan_validates_and_round_trips(plans, tmp_path):
@@ -47,6 +47,9 @@ def test_schema2_plan_validates_and_round_trips(plans, tmp_path):
         assert gpus <= 4
         assert [p["role"] for p in sv["pools"]] == (["mixed"] if mode == "agg"
                                                     else ["prefill", "decode"])
+        for name in ("megatron", "best_practice"):  # both baselines, same serving model
+            base = d["baseline"][name]["tok_s_per_gpu"]
+            assert 0 < base <= sv["predicted"]["tok_s_per_gpu"]
 
 
 def test_pareto_fronts_are_monotone(plans):

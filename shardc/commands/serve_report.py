@@ -27,9 +27,10 @@ def serve_summary(plan) -> str:
         d = p["degrees"]
         deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp") if k in d)
         rows.append([f"{p['role']} pool", f"{p['workers']} x [{deg}] batch={p['batch']}"])
-    mega = (plan.baseline or {}).get("megatron") or {}
-    ratio = (f"{pred['tok_s_per_gpu'] / mega['tok_s_per_gpu']:.3f}x"
-             if mega.get("tok_s_per_gpu") else "-")
+    def ratio(name: str) -> str:
+        base = ((plan.baseline or {}).get(name) or {}).get("tok_s_per_gpu")
+        return f"{pred['tok_s_per_gpu'] / base:.3f}x" if base else "-"
+
     rows += [
         ["mode", sv["mode"]],
         ["predicted tok/s/GPU", number_or_dash(pred["tok_s_per_gpu"], ".1f")],
@@ -38,7 +39,8 @@ def serve_summary(plan) -> str:
         ["TTFT (ms)", number_or_dash(pred["ttft_ms"], ".1f")],
         ["requests/s", number_or_dash(pred["req_s"], ".2f")],
         ["memory/GPU (GB)", number_or_dash((plan.predicted or {}).get("memory_gb_per_gpu"), ".1f")],
-        ["vs Megatron heuristic", ratio],
+        ["vs Megatron heuristic", ratio("megatron")],
+        ["vs best practice", ratio("best_practice")],
     ]
     frac = plan.search.get("optimum_fraction")
     if frac is not None:
