@@ -208,7 +208,8 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     kind_of_layer = {i: k.name for k in g.layer_kinds for i in k.layers}
     wl = dict(phase=workload.phase, batch=int(strategy.batch), context=int(workload.context),
               prompt=int(workload.prompt), tpot_slo_ms=float(workload.tpot_slo_ms),
-              ttft_slo_ms=float(workload.ttft_slo_ms))
+              ttft_slo_ms=float(workload.ttft_slo_ms), isl=int(workload.isl),
+              osl=int(workload.osl))
     nodes = plan_nodes(g, wl)
     if serve_workload is not None:
         wl.update(phase="serve", isl=int(serve_workload.isl), osl=int(serve_workload.osl),
