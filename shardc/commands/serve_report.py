@@ -117,12 +117,14 @@ def _plot_search(path, plan, outcome) -> str:
     mesh = f"{plan.mesh['gpus_per_node']}x{plan.mesh['nodes']}"
     title = search_title(plan.model["name"], mesh, plan.mesh["hardware"], plan.workload,
                          policy, plan.search["budget"]) + f" | {role} pool"
-    mega = pool.results.get("megatron")
-    exact = pool.results.get("exact")
+    def line(name, complete_only=False):
+        r = pool.results.get(name)
+        ok = r is not None and r.found and (r.complete or not complete_only)
+        return r.best_value if ok else None
+
     return plot_search_curve(path, {policy: pool.results[policy].curve},
-                             megatron=mega.best_value if mega and mega.found else None,
-                             exact=exact.best_value if exact and exact.complete and exact.found
-                             else None, title=title)
+                             megatron=line("megatron"), exact=line("exact", True), title=title,
+                             best_practice=line("best_practice"))
 
 
 def serve_launch_files(plan, outcome) -> dict:
