@@ -311,9 +311,10 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
                 pools[role] = _search_pool(graph, half, hardware, wl, role, policy,
                                            max(budget // 2, 1), seed, fixed, None, extra,
                                            full_mesh=mesh)
-            except InputError:
+            except InputError as e:
                 if wl.mode == "disagg":
-                    raise
+                    raise InputError(f"{e} (--mode disagg: a pool's worker has at most "
+                                     f"{half.gpus} of the {mesh.gpus} GPUs)") from None
                 pools.pop("prefill", None)
                 break
     elif wl.mode == "disagg":

@@ -111,6 +111,7 @@ def test_serve_flags_are_checked(capsys):
     (["--mesh", "1x1", "--mode", "disagg"], 2, "--mode disagg: mesh 1x1 has one GPU"),
     (["--mode", "disagg", "--degrees", "dp=2"], 2, "--degrees dp: a disaggregated pool"),
     (["--tpot-slo", "0.001", "--ttft-slo", "0.001"], 3, "no serving plan on 4x1 meets"),
+    (["--mode", "disagg", "--degrees", "tp=4"], 2, "a pool's worker has at most 2 of the 4 GPUs"),
 ])
 def test_serve_errors_are_one_line(argv, code, match, capsys, tmp_path):
     base = ["compile", TINY, "--mesh", "4x1", "--phase", "serve", "--search", "megatron",
