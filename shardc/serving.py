@@ -44,6 +44,9 @@ from shardc.search import POLICIES, run_search
 from shardc.search.objective import CostModelObjective
 
 SLO_MOVES = (0.8, 1.2)
+# running sequences per replica of a mixed or decode pool: powers of two and 1.5x between
+# (concurrency is what serving tunes; the 2x grid of the single-phase search is too coarse)
+SERVE_BATCHES = tuple(sorted({2**i for i in range(13)} | {3 * 2**i for i in range(11)}))
 EXACT_LIMIT_S = 20.0  # per pool, for the optimum fraction
 TOP_ALTERNATIVES = 5
 
@@ -248,7 +251,7 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
     pw = pool_workload(wl, role)
     space = StrategySpace(graph, mesh, pw, fixed=dict(fixed or {}))
     if role != "prefill":
-        space.values["batch"] = capped_batches(space.values["batch"], wl.batch)
+        space.values["batch"] = capped_batches(SERVE_BATCHES, wl.batch)
     cm = pool_cost_model(graph, mesh, hw, wl, role)
     transfer = None
     if role == "prefill":
@@ -264,7 +267,7 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
     return pool
 
 
-def capped_batches(grid: list[int], cap: int | None) -> list[int]:
+def capped_batches(grid, cap: int | None) -> list[int]:
     """The batch candidates of a mixed or decode pool under ``--batch cap`` (running
     sequences per replica): the grid values below the cap, and the cap (the grid if None)."""
     if cap is None:
@@ -424,15 +427,18 @@ def _alternatives(choice: ServeChoice, pools, tags, wl: Workload, G: int) -> lis
 
 
 def binding_constraint(choice: ServeChoice, pools, wl: Workload) -> str:
-    """What stops the throughput-setting pool (mixed / decode) from running twice the batch:
-    ``memory``, ``TPOT`` or ``TTFT`` (``batch grid`` at the largest candidate, ``--batch cap``
-    at the user's cap)."""
+    """What stops the throughput-setting pool (mixed / decode) from running the next larger
+    batch candidate (one that divides over its pp x ep micro-batches): ``memory``, ``TPOT``
+    or ``TTFT`` (``batch grid`` past the largest candidate, ``--batch cap`` at the user's)."""
     role, _, strategy, _ = choice.pools[-1]
     pool = pools[role]
-    if 2 * strategy.batch not in pool.space.values["batch"]:
+    d = strategy.degrees
+    larger = [b for b in pool.space.values["batch"]
+              if b > strategy.batch and b % (d.pp * d.ep) == 0]
+    if not larger:
         return "--batch cap" if wl.batch and strategy.batch >= wl.batch else "batch grid"
-    s = Strategy(replace(strategy.degrees, dp=pool.space.mesh.gpus // strategy.degrees.replica_gpus),
-                 2 * strategy.batch, strategy.choices)
+    s = Strategy(replace(d, dp=pool.space.mesh.gpus // d.replica_gpus), larger[0],
+                 strategy.choices)
     ev = pool.cost_model.evaluate(pool.space.encode(s)[None, :], pool.space)
     code = int(ev.reason[0])
     if code == NO_MEMORY:

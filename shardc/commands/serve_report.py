@@ -54,7 +54,7 @@ def serve_summary(plan) -> str:
     if bp:
         lines.append(f"best-practice baseline: {bp['tok_s_per_gpu']:.1f} tok/s/GPU "
                      f"({one_line(bp['plan'])})")
-    lines.append(f"binding constraint (what stops twice the batch): {sv['binding']}")
+    lines.append(f"binding constraint (what stops a larger batch): {sv['binding']}")
     if sv["alternatives"]:
         lines.append("top alternatives:")
         for a in sv["alternatives"]:
