@@ -276,6 +276,8 @@ def capped_batches(grid, cap: int | None) -> list[int]:
 
 
 def check_serve_positions(graph: Graph, wl: Workload) -> None:
+    """InputError when a request (``isl + osl`` tokens) is longer than the model's
+    ``max_position_embeddings`` (as ``--context`` is checked in decode)."""
     limit = int(graph.config.get("max_position_embeddings", 0) or 0)
     if limit and wl.isl + wl.osl > limit:
         raise InputError(f"--isl {wl.isl} + --osl {wl.osl} = {wl.isl + wl.osl} tokens is "
