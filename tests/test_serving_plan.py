@@ -148,3 +148,13 @@ def test_serve_batch_is_a_cap():
     assert plan.serving["binding"] in ("--batch cap", "memory", "TPOT", "TTFT")
     if pool["batch"] == 48:
         assert plan.serving["binding"] == "--batch cap"
+
+
+def test_optimum_fraction_and_inspect_of_a_serve_plan(plans, tmp_path, capsys):
+    for plan in plans.values():  # exact finishes on the tiny model: the certificate is there
+        frac = plan.search["optimum_fraction"]
+        assert 0 < frac <= 1 + 1e-12
+        assert plan.search["exact_tok_s_per_gpu"] >= plan.serving["predicted"]["tok_s_per_gpu"] * (1 - 1e-12)
+    path = plans["disagg"].save(tmp_path / "plan.json")
+    assert main(["inspect", str(path)]) == 0
+    assert "one decode step" in capsys.readouterr().out
