@@ -1,4 +1,4 @@
-"""``shardc bench --suite paper|zoo``: every searcher on every case of a suite (SPEC section 8).
+"""``shardc bench --suite paper|zoo|serve``: every searcher on every case of a suite (SPEC section 8).
 
 Cases are data (``shardc/search/suites.toml``). For each case: the graph (traced once, then
 read from the graph cache, :mod:`shardc.frontends.graph_cache`), the cost model, then
@@ -22,13 +22,13 @@ from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
 
-HELP = "run the search benchmark suites (paper, zoo) and write tables under benchmarks/"
+HELP = "run the search benchmark suites (paper, zoo, serve) and write tables under benchmarks/"
 SEEDED = ("rl", "sa", "rw", "ga")
 NOTES_MARKER = "<!-- hand-written notes below this line: shardc bench keeps them -->"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--suite", required=True, help="paper or zoo (shardc/search/suites.toml)")
+    p.add_argument("--suite", required=True, help="paper, zoo or serve (shardc/search/suites.toml)")
     p.add_argument("--budget", type=int_arg(1, MAX_BUDGET, "evaluations"), default=None,
                    help="evaluations per search (default: the suite's)")
     p.add_argument("--seeds", type=int_arg(1, 10_000, "seeds"), default=None,
@@ -91,6 +91,10 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     from shardc.search import run_search
     from shardc.search.objective import cost_model_objective
 
+    if case["phase"] == "serve":
+        from shardc.commands.bench_serve import run_serve_case
+
+        return run_serve_case(case, policies, budget, seeds, exact_limit)
     graph = cached_graph(case["model"])
     mesh = Mesh.parse(case["mesh"])
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),

@@ -33,11 +33,19 @@ def add_workload_arguments(p) -> None:
     """Flags shared by compile, simulate and bench-like commands (SPEC section 3 defaults).
     Numbers are checked at parse time (:mod:`shardc.validate`): finite and in range."""
     p.add_argument("--hardware", default="h100", help=HARDWARE_HELP)
-    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill", "serve"],
+                   help="decode or prefill (one phase at a batch), or serve (requests of "
+                        "--isl/--osl tokens under both SLOs, SPEC section 11)")
     p.add_argument("--context", type=int_arg(1, MAX_TOKENS, "tokens"), default=4096,
                    help=f"KV length per decode step (tokens, at most {MAX_TOKENS:,})")
     p.add_argument("--prompt", type=int_arg(1, MAX_TOKENS, "tokens"), default=2048,
                    help=f"prompt length for prefill (tokens, at most {MAX_TOKENS:,})")
+    p.add_argument("--isl", type=int_arg(1, MAX_TOKENS, "tokens"), default=2048,
+                   help="serve: input (prompt) tokens per request")
+    p.add_argument("--osl", type=int_arg(1, MAX_TOKENS, "tokens"), default=512,
+                   help="serve: output tokens per request")
+    p.add_argument("--mode", default="auto", choices=["auto", "agg", "disagg"],
+                   help="serve: one aggregated pool, prefill + decode pools, or the better")
     p.add_argument("--batch", type=batch_arg, default=None, metavar="N|auto",
                    help=f"sequences per model replica (at most {MAX_BATCH:,}), or auto (default)")
     p.add_argument("--tpot-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=50.0,
@@ -73,7 +81,8 @@ def workload_from_args(args) -> Workload:
     """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
                     tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
-                    weights=args.weights, kv_cache=args.kv_cache)
+                    weights=args.weights, kv_cache=args.kv_cache, isl=args.isl,
+                    osl=args.osl, mode=args.mode)
 
 
 def add_arguments(p) -> None:
@@ -191,6 +200,10 @@ def run(args) -> int:
         if bar is not None:
             bar.close()
     out = Path(args.out) if args.out else Path("shardc_out") / out_dir_name(plan.model["name"])
+    if workload.phase == "serve":
+        from shardc.commands.serve_report import write_serve_outputs
+
+        return write_serve_outputs(out, plan, outcome, args)
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),

@@ -157,7 +157,7 @@ def space_summary(graph: Graph, mesh_text: str, phase: str = "decode") -> dict:
 
 
 def graph_from_plan(path: str) -> Graph:
-    """An annotated graph dump: plan.json (validated, schema_version 1) -> Graph whose nodes
+    """An annotated graph dump: plan.json (validated, schema_version 1 or 2) -> Graph whose nodes
     carry the plan's placements and redistributions."""
     from shardc.ir.graph import LayerKind
     from shardc.plan import load_plan

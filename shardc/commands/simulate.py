@@ -133,11 +133,23 @@ def run(args) -> int:
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
-    cm = CostModel(graph, mesh, hw, workload, kernels=args.kernels, engine=args.engine)
     domain = nvlink_tp_domain(mesh, hw.nvlink_domain, args.allow_cross_node_tp)
     if domain is not None and domain % deg.tp:
         raise InputError(f"--degrees tp={deg.tp}: {cross_node_tp_note(domain)}")
-    space = StrategySpace(graph, mesh, workload, tp_domain=domain)
+    kernel_options = {"kernels": args.kernels, "engine": args.engine}
+    if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
+        from shardc.cost.serving import pool_cost_model, pool_workload
+        from shardc.serving import capped_batches, check_serve_positions
+
+        if workload.mode == "disagg":
+            raise InputError("simulate --phase serve prices one aggregated pool (--mode agg); "
+                             "price a disaggregated pool with --phase prefill or decode")
+        check_serve_positions(graph, workload)
+        cm = pool_cost_model(graph, mesh, hw, workload, "mixed", **kernel_options)
+        space = StrategySpace(graph, mesh, pool_workload(workload, "mixed"), tp_domain=domain)
+    else:
+        cm = CostModel(graph, mesh, hw, workload, **kernel_options)
+        space = StrategySpace(graph, mesh, workload, tp_domain=domain)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "
@@ -145,6 +157,9 @@ def run(args) -> int:
     tp_idx = space.values["tp"].index(deg.tp)
     choices = parse_choices(args.choices, space, tp_idx)
     batch = workload.batch
+    if workload.phase == "serve":  # --batch caps the running sequences per replica
+        space.values["batch"] = capped_batches(space.values["batch"], batch)
+        batch = None
     if batch is None:  # pick the best feasible batch candidate
         acts = np.array([space.encode(Strategy(deg, b, choices)) for b in space.values["batch"]])
         ev = cm.evaluate(acts, space)
@@ -161,7 +176,8 @@ def run(args) -> int:
                "mesh": {"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes,
                         "hardware": hw.name},
                "workload": {"phase": workload.phase, "batch": int(batch),
-                            "context": workload.context, "prompt": workload.prompt,
+                            "context": cm.workload.context, "prompt": cm.workload.prompt,
+                            "isl": workload.isl, "osl": workload.osl,
                             "tpot_slo_ms": workload.tpot_slo_ms,
                             "ttft_slo_ms": workload.ttft_slo_ms,
                             "weights": workload.weights, "kv_cache": workload.kv_cache},

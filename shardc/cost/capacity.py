@@ -10,6 +10,16 @@ from shardc.ir.strategy import Workload, format_bytes
 from shardc.ir.windows import attended_positions, op_window
 
 
+def kv_elems_per_token(graph: Graph) -> float:
+    """KV-cache elements one token adds over all layers (unsharded)."""
+    total = 0.0
+    for k in graph.layer_kinds:
+        core = k.op("attn_core")
+        if core is not None:
+            total += k.count * float(core.attrs.get("kv_cache_elems_per_token", 0))
+    return total
+
+
 def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | None = None
                         ) -> tuple[float, float]:
     """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
@@ -17,7 +27,8 @@ def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | N
     at most its window), in the workload's weight and KV-cache formats."""
     db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
     params = sum(o.params for o in graph.global_ops)
-    length = workload.context if workload.phase == "decode" else workload.prompt
+    length = {"decode": workload.context, "prefill": workload.prompt,
+              "serve": workload.isl + workload.osl}[workload.phase]
     kv_per_seq = 0.0  # KV-cache elements of one sequence
     for k in graph.layer_kinds:
         params += k.count * (sum(o.params for o in k.ops)

@@ -74,6 +74,9 @@ class Batch:
     moe_layouts: str = "backend"  # moe_dispatch.LAYOUT_RULES
     kernels: object = None  # silicon.SiliconKernels (measured kernel times) or None: roofline
     fallbacks: list = field(default_factory=list)  # detail: ops the tables did not price
+    # decode only: prompt tokens of a chunked prefill riding on the step (aggregated serving;
+    # included in ``tokens``), which attend on average to half the prompt
+    chunk_tokens: np.ndarray | float = 0.0
 
 
 @dataclass
@@ -188,11 +191,17 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     out_width = op_out_width(fop)
     act = b.tokens * (in_width / d_in + out_width / d_out) * b.act_bytes
     window = op_window(a)
+    chunk_flops = chunk_traffic = None  # aggregated serving: the step's prefill chunk
     if b.phase == "decode":
         read = attended_positions(b.context, window)
         flops = b.seqs * read * decode_per_ctx / d_flop
         traffic = b.seqs * read * kv_elems * b.kv_bytes * kv_frac + act
         length, banded = read, 1.0
+        if np.any(b.chunk_tokens):  # chunk: context attention over its prompt prefix
+            chunk_flops = b.chunk_tokens * (b.prompt + 1) / 2 * per_ctx / d_flop
+            prompts = np.maximum(b.chunk_tokens / b.prompt, np.minimum(b.chunk_tokens, 1.0))
+            chunk_traffic = (b.chunk_tokens + prompts * b.prompt / 2) * kv_elems \
+                * b.kv_bytes * kv_frac
     else:
         pairs = causal_pairs(b.prompt, window)
         flops = b.seqs * pairs * per_ctx / d_flop
@@ -213,6 +222,11 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
             np.where(by_heads, kv_heads / np.minimum(b.tp, kv_heads), kv_heads), hd,
             not split_heads or hd != vhd, flops, traffic, b,
             mla_v3=not split_heads and kv_elems == 576, scale=banded)
+    if chunk_flops is not None:  # its own context-attention kernel, priced by the roofline
+        c_comp = compute_time(chunk_flops, b.hw.attention_eff, b.hw.peak_flops(False))
+        c_mem = memory_time(chunk_traffic, b.hw)
+        oc = OpCost(oc.compute_s + c_comp, oc.memory_s + c_mem,
+                    oc.time_s + kernel_time(c_comp, c_mem, 1, b.hw), oc.weight_bytes, oc.kv_bytes)
     if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the longest ones set the pace
         imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
         oc = OpCost(oc.compute_s * imb, oc.memory_s * imb, oc.time_s * imb, oc.weight_bytes,

@@ -16,6 +16,12 @@ independent, so per-GPU numbers are per replica):
   (pp-1)/(m+pp-1)); with pp = 1 the whole batch is one pass. ``TTFT`` = time until the
   last sequence's prefill finishes; ``tok/s/GPU = batch * prompt / TTFT / replica_gpus``
   (prompt tokens); ``tpot_ms`` is NaN;
+* decode with ``mixed_prefill`` > 0 (aggregated serving, :mod:`shardc.cost.serving`): every
+  step also carries a chunk of ``mixed_prefill`` prompt tokens per running sequence (chunked
+  prefill in in-flight batching); GEMMs see decode + chunk tokens, attention decodes the
+  running sequences and runs context attention for the chunk (``workload.prompt`` = the input
+  length); ``TTFT = (ceil(prompt / chunk per micro-batch) + 0.5) * TPOT`` (the prompt's
+  chunks spread over steps, plus half a step waiting to join one) and must meet the TTFT SLO;
 * memory per GPU (bottleneck stage): weight shards + KV cache of all resident sequences
   (context tokens in decode, prompt tokens in prefill) + activations (4 live buffers of the
   widest activation, the dispatched expert tokens and fp32 logits) + the preset's fixed
@@ -107,7 +113,10 @@ class CostModel:
     (``"roofline"``, the default here, or ``"silicon"``: measured kernel times where the
     tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
     ``kernel_source`` says what prices the model (``"roofline"`` or
-    ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon.
+    ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon; for serving
+    (:mod:`shardc.cost.serving`): ``attend_context`` (positions a decode step attends, tokens;
+    default the workload's context, which is also the KV length held per sequence) and
+    ``mixed_prefill`` (prompt tokens per running sequence per decode step; 0 = pure decode).
     """
 
     def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
@@ -115,7 +124,8 @@ class CostModel:
                  act_bytes: float | None = None, fp8_gemm: bool | None = None,
                  fp8_dispatch: bool | None = None, moe_layouts: str = "backend",
                  expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
-                 engine: str = "vllm"):
+                 engine: str = "vllm", attend_context: float | None = None,
+                 mixed_prefill: float = 0.0):
         from shardc.cost.silicon import kernels_for
 
         self.graph, self.mesh, self.workload = graph, mesh, workload
@@ -133,6 +143,8 @@ class CostModel:
             raise ValueError(f"moe_layouts {moe_layouts!r}: expected one of {LAYOUT_RULES}")
         self.moe_layouts = moe_layouts
         self.expert_imbalance = float(expert_imbalance)
+        self.attend_context = float(attend_context or workload.context)
+        self.mixed_prefill = float(mixed_prefill) if workload.phase == "decode" else 0.0
         self.hidden = int(cfg.get("hidden", 0))
         if self.hidden <= 0:
             raise InputError(f"model {graph.name}: config has no hidden size")
@@ -200,9 +212,10 @@ class CostModel:
         residual = (sp > 1).astype(np.int64)
         if wl.phase == "decode":
             seqs = bf / ppf / epf
-            tokens = seqs
+            chunk = seqs * self.mixed_prefill  # chunked-prefill tokens riding on the step
+            tokens = seqs + chunk
             micro = ppf
-            context, kv_context = float(wl.context), float(wl.context)
+            context, kv_context = self.attend_context, float(wl.context)
             batch_ok = batch % (pp * ep) == 0
         else:
             seqs = np.where(pp > 1, 1.0, bf / epf)
@@ -214,7 +227,7 @@ class CostModel:
         b = Batch(hw=self.hw, phase=wl.phase, tp=tpf, ep=epf, sp=sp, seqs=seqs,
                   seqs_resident=bf / epf, tokens=tokens,
                   expert_tokens=tokens * self.top_k * imb,
-                  lm_tokens=tokens if wl.phase == "decode" else seqs,
+                  lm_tokens=seqs, chunk_tokens=chunk if wl.phase == "decode" else 0.0,
                   context=context, kv_context=kv_context, prompt=float(wl.prompt),
                   residual=residual,
                   groups=mesh_groups(tp, ep, np.maximum(dp, 1), pp, self.mesh.gpus_per_node),
@@ -299,10 +312,17 @@ class CostModel:
         tick = stage_t.max(axis=1) + send
         if wl.phase == "decode":
             tpot = ppf * tick
-            ttft = np.full(B, np.nan)
             tok_s = bf / tpot / (tpf * epf * ppf)
             latency_bad = tpot * 1e3 > wl.tpot_slo_ms
             latency_reason = TPOT_SLO
+            if self.mixed_prefill > 0:  # aggregated serving: the prompt's chunks over steps
+                steps = np.ceil(wl.prompt / np.maximum(chunk, 1e-9) - 1e-9)
+                ttft = (steps + 0.5) * tpot
+                ttft_bad = ttft * 1e3 > wl.ttft_slo_ms
+                latency_reason = np.where(latency_bad, TPOT_SLO, TTFT_SLO)
+                latency_bad = latency_bad | ttft_bad
+            else:
+                ttft = np.full(B, np.nan)
         else:
             ttft = (micro + ppf - 1) * tick
             tpot = np.full(B, np.nan)
