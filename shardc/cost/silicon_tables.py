@@ -36,14 +36,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from shardc.cache import cache_dir, cache_enabled
+from shardc.cache import cache_dir, cache_enabled, write_entry
 
 WHEEL = "aiconfigurator-core"
 WHEEL_VERSION = "0.12.0"
@@ -151,23 +149,11 @@ def load_tables(hardware: str, engine: str) -> dict:
 
 
 def _store(path: Path, tables: dict) -> None:
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
-        with os.fdopen(fd, "wb") as fh:
-            np.savez_compressed(fh, **tables)
-        os.replace(tmp, path)
+    if write_entry(path, lambda fh: np.savez_compressed(fh, **tables), ".npz"):
         system_engine = path.name.split("-")[:2]
         for old in path.parent.glob(f"{'-'.join(system_engine)}-*.npz"):
             if old != path:  # an older wheel or loader: never read again
                 old.unlink(missing_ok=True)
-    except OSError:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 # ------------------------------------------------------------------------------ build
