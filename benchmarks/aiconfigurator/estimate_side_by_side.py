@@ -284,15 +284,25 @@ def markdown(rows, variants, pairs, note, versions, revision, wall_s) -> str:
         "- AIConfigurator prices MoE layers from tables measured with a power-law "
         "token-to-expert distribution (alpha 1.2 for Mixtral/Qwen3-style MoE, 1.01 for "
         "DeepSeek; `aiconfigurator_core/sdk/models/moe.py`, `deepseek.py`), so the busiest "
-        "expert sets the time; shardc charges perfectly balanced routing. Where this dominates "
-        "(MoE, most of all with EP, where each rank owns few experts) shardc predicts faster.",
+        "expert sets the time; shardc `--kernels silicon` reads the `balanced` rows of the same "
+        "tables and multiplies the tokens by a fixed expert imbalance of 1.3 when ep > 1 "
+        "(`shardc/cost/model.py` `DEFAULT_EXPERT_IMBALANCE`). The two differ most where "
+        "the grouped GEMM is compute-bound and each rank owns few experts: for Mixtral "
+        "(8 experts, top-2, moe_ep 8) at 8192 tokens the TRT-LLM table reads 0.92 ms balanced "
+        "and 3.64 ms power_law_1.2 per layer, which is the whole gap of the worst row "
+        "(Mixtral prefill tp=1 ep=8 b8 prompt 1024: shardc's experts take 1.22 ms per layer).",
         "- AIConfigurator's two backends are two sets of measured kernels (TRT-LLM and vLLM "
         "differ by up to tens of percent on the same shape); a shardc cost source is one "
-        "model, so the spread between the two AIC columns is the scale of engine-to-engine "
-        "difference a single prediction cannot match both ways.",
+        "engine's tables, so the spread between the two AIC columns is the scale of "
+        "engine-to-engine difference a single prediction cannot match both ways.",
+        "- shardc's default prices the expert dispatch the emitted code runs: every tp rank "
+        "sends its whole (tp-replicated) tokens' routed rows (docs/validation.md; "
+        "`CostModel(moe_layouts=\"best\")` charges 1/tp of them). With ep across nodes "
+        "this dominates DeepSeek-V3 prefill at tp=8 ep=4 (2.1 s of shardc's 3.0 s TTFT at "
+        "b8 x 8192 is the expert all-to-all), where shardc predicts slower.",
         "- A case shardc marks `error` with `strategy infeasible` does not fit its memory "
-        "model (e.g. GQA with tp > KV heads, where shardc replicates the attention weights "
-        "and KV cache; AIConfigurator replicates only the KV heads, as vLLM does).",
+        "model (Qwen3-235B-A22B at tp=8: 70.6 GB of BF16 weights per GPU against the 70 GB "
+        "shardc leaves for weights on an 80 GB H100; AIConfigurator prices it).",
         "",
         "## Summary",
         "",
