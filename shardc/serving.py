@@ -38,15 +38,12 @@ from shardc.cost.serving import (
 )
 from shardc.errors import InfeasibleError, InputError
 from shardc.ir.graph import Graph
-from shardc.ir.space import StrategySpace
+from shardc.ir.space import DECODE_BATCHES, StrategySpace
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.search import POLICIES, run_search
 from shardc.search.objective import CostModelObjective
 
 SLO_MOVES = (0.8, 1.2)
-# running sequences per replica of a mixed or decode pool: powers of two and 1.5x between
-# (concurrency is what serving tunes; the 2x grid of the single-phase search is too coarse)
-SERVE_BATCHES = tuple(sorted({2**i for i in range(13)} | {3 * 2**i for i in range(11)}))
 EXACT_LIMIT_S = 20.0  # per pool, for the optimum fraction
 TOP_ALTERNATIVES = 5
 
@@ -253,7 +250,7 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
     pw = pool_workload(wl, role)
     space = StrategySpace(graph, mesh, pw, fixed=dict(fixed or {}), tp_domain=tp_domain)
     if role != "prefill":
-        space.values["batch"] = capped_batches(SERVE_BATCHES, wl.batch)
+        space.values["batch"] = capped_batches(DECODE_BATCHES, wl.batch)
     cm = pool_cost_model(graph, mesh, hw, wl, role, **(kernel_options or {}))
     transfer = None
     if role == "prefill":
