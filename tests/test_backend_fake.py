@@ -257,8 +257,10 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
     kind = sorted(set(kinds.values()))[0]
     batch = seqs * degrees.get("pp", 1) * degrees.get("ep", 1)  # per dp replica
     strategy = strategy_from_names(degrees, choices_for(kind, overrides), batch)
-    params = [(n, list(p.shape)) for n, p in model.named_parameters()]
-    expected = {r["fqn"]: r for r in param_plan(params, strategy, kinds)}
+    from shardc.frontends import load_graph
+
+    graph = load_graph(mod.__file__)
+    expected = {r["fqn"]: r for r in param_plan(graph, strategy, kinds)}
     sharded = apply(model, strategy)
     adapter = adapter_for(model)
 
@@ -328,8 +330,7 @@ def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
     graph = _deepseek_short_graph()
     assert {k.name: sorted(o.name for o in k.ops) for k in graph.layer_kinds} == \
         {k: sorted(v) for k, v in ops.items()}  # the IR's slots are the backend's
-    params = [(n, list(p.shape)) for n, p in model.named_parameters()]
-    expected = {r["fqn"]: r for r in param_plan(params, strategy, kinds)}
+    expected = {r["fqn"]: r for r in param_plan(graph, strategy, kinds)}
     apply(model, strategy)
 
     assert check_placed_params(model, expected) > 100

@@ -107,7 +107,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     if sp.expert_mesh:
         body.append("    expert_mesh = submesh(world_mesh, ('ep', 'tp'))  # experts: ep x tp")
     if any(kp.entries or kp.experts is not None for kp in sp.kinds):
-        body.append("    layers = decoder_layers(model)")
+        body.append(f"    layers = decoder_layers(model, {_literal(sp.layers)})")
     for kp in sp.kinds:
         body.append(_comment(f"{kp.kind} x {len(kp.layers)}"))
         body += [_comment(f"  {n}") for n in kp.notes]
@@ -121,8 +121,9 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             body.append("        }, src_data_rank=None)")
         if kp.experts is not None:
             body.append(f"        # {_comment(kp.experts.comment, 0)[2:]}")
-            body.append(f"        parallelize_module(layers[i].mlp.experts, expert_mesh, "
-                        f"{kp.experts.style}, src_data_rank=None)")
+            body.append(f"        parallelize_module(layers[i].get_submodule("
+                        f"{_literal(kp.experts.suffix)}), expert_mesh, {kp.experts.style}, "
+                        "src_data_rank=None)")
     if sp.model_entries:
         body.append("    parallelize_module(model, tp_mesh, {")
         body += _plan_dict(sp.model_entries, 4)

@@ -131,25 +131,79 @@ def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> li
     return out
 
 
-def param_plan(params: list[tuple[str, list[int]]], strategy: Strategy,
-               kind_of_layer: dict[int, str]) -> list[dict]:
-    """plan.json ``params``: [{fqn, shape, placements, local_shape, stage}]."""
+def rows_with_ops(rows: list[dict]) -> list[dict]:
+    """plan.json params rows, each with the IR fields ``op`` / ``layer`` / ``split_dims`` /
+    ``expert_dim`` / ``parts``; a row of a plan written before they existed (schema 1
+    without ``op``) gets them from the parameter-name table :data:`PARAM_ROLES`."""
+    out = []
+    for r in rows:
+        if "op" in r:
+            out.append(r)
+            continue
+        role = param_role(str(r["fqn"]))
+        shape = list(r["shape"])
+        extra: dict = {"op": None, "layer": layer_of(str(r["fqn"])),
+                       "split_dims": [None, None]}
+        if role is not None:
+            extra["op"] = role.op
+            bias = len(shape) == 1
+            extra["split_dims"] = [0, None] if bias else list(role.dims)
+            if role.expert_dim is not None:
+                extra["expert_dim"] = role.expert_dim
+            if role.fused > 1:
+                width = shape[0 if bias else role.dims[0]]
+                extra["parts"] = [width // role.fused] * role.fused
+        out.append({**r, **extra})
+    return out
+
+
+def use_placements(use: dict, ndim: int, strategy: Strategy,
+                   kind_of_layer: dict[int, str]) -> list[str]:
+    """Placements (``"S(d)"`` / ``"R"``) per SPMD mesh dim of a parameter whose plan.json
+    row (or :meth:`shardc.ir.param_roles.ParamUse.as_row`) is ``use``: over ``ep`` its
+    ``expert_dim``, over ``tp`` the dim its op's choice cuts (``split_dims``)."""
+    op, layer = use.get("op"), use.get("layer")
+    kind = kind_of_layer.get(layer) if layer is not None else None
+    dims = list(use.get("split_dims") or (None, None))
+    out = []
+    for dim in spmd_dims(strategy.degrees):
+        p = "R"
+        if dim == "ep" and use.get("expert_dim") is not None:
+            p = f"S({use['expert_dim']})"
+        elif dim == "tp" and op is not None:
+            c = op_choice(strategy, op, kind)
+            if c in (0, 1) and dims[c] is not None and dims[c] < ndim:
+                p = f"S({dims[c]})"
+        out.append(p)
+    return out
+
+
+def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list[dict]:
+    """plan.json ``params``: per parameter of ``graph`` {fqn, shape, placements, local_shape,
+    stage} and the fused op it belongs to, from the graph
+    (:func:`shardc.ir.param_roles.param_uses`: ``op``, ``layer``, ``split_dims``, and
+    ``expert_dim`` / ``parts`` where they apply)."""
+    from shardc.ir.param_roles import param_uses, read_before_layers
     from shardc.ir.strategy import pipeline_stages
 
+    uses = param_uses(graph)
+    first = read_before_layers(graph)
     num_layers = len(kind_of_layer)
     stages = pipeline_stages(num_layers, strategy.degrees.pp) if num_layers else []
     rows = []
-    for fqn, shape in params:
-        pl = param_placements(fqn, len(shape), strategy, kind_of_layer)
-        layer = layer_of(fqn)
-        role = param_role(fqn)
+    for p in graph.params:
+        shape = [int(s) for s in p.shape]
+        use = uses[p.fqn].as_row() if p.fqn in uses else {"op": None, "layer": None,
+                                                           "split_dims": [None, None]}
+        pl = use_placements(use, len(shape), strategy, kind_of_layer)
+        layer = use["layer"]
         if layer is not None and layer < len(stages):
             stage = stages[layer]
-        elif role is not None and role.op == "embedding":
+        elif p.fqn in first:  # embeddings
             stage = 0
         else:  # final norm, lm_head
             stage = strategy.degrees.pp - 1
-        rows.append({"fqn": fqn, "shape": list(shape), "placements": pl,
-                     "local_shape": local_shape(list(shape), pl, strategy.degrees),
-                     "stage": stage})
+        rows.append({"fqn": p.fqn, "shape": shape, "placements": pl,
+                     "local_shape": local_shape(shape, pl, strategy.degrees),
+                     "stage": stage, **use})
     return rows

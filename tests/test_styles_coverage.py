@@ -1,0 +1,103 @@
+"""The torch-style backend reads parameter roles from the IR, and covers the remaining
+pp = 1 families (GPT-2, GPT-MoE, Phi-3.5-MoE, OLMoE heads split, router and expert choices,
+sequence-parallel combinations).
+
+* plan.json ``params`` rows carry the fused op, the decoder layer and the tensor dims each
+  choice cuts, derived from the graph (:mod:`shardc.ir.param_roles`): Conv1D weights
+  ``[in, out]``, experts stored ``[E, out, in]`` (HF, transposed before the matmul) or
+  ``[E, in, out]`` (GPT-MoE), square weights told apart by the frontend's transpose record,
+  packed q|k|v and gate|up, a tied lm_head, learned positions replicated;
+* a plan written before those fields (schema 1 without ``op``) still emits the same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2 = str(ROOT / "examples" / "configs" / "gpt2" / "config.json")
+OLMOE = str(ROOT / "examples" / "configs" / "olmoe_1b_7b" / "config.json")
+MIXTRAL = str(ROOT / "examples" / "tiny_mixtral.py")
+GPT_MOE = str(ROOT / "examples" / "gpt_moe_1p6t.py")
+MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row",
+            "router": "rep", "expert_ffn1": "col", "expert_ffn2": "row", "shared_ffn1": "col",
+            "shared_ffn2": "row"}
+
+
+def build(model_file: str, degrees: dict, overrides: dict | None = None, batch: int = 8):
+    """Plan of the tiny graph of ``model_file``: Megatron choices with ``overrides`` (op ->
+    choice name, every layer kind)."""
+    from shardc.backends.apply import strategy_from_names
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.plan import build_plan
+
+    graph = load_graph(model_file, tiny=True)
+    ch = dict(MEGATRON, **(overrides or {}))
+    choices = {"embedding": ch.get("embedding", "vocab"), "lm_head": ch.get("lm_head", "col")}
+    choices.update({f"{k.name}.{o.name}": ch[o.name] for k in graph.layer_kinds
+                    for o in k.ops if o.name in ch})
+    st = strategy_from_names(degrees, choices, batch)
+    return build_plan(graph, st, Mesh(st.degrees.world, 1), "h100",
+                      Workload(batch=batch, context=64))
+
+
+def rows(plan) -> dict:
+    return {r["fqn"]: r for r in plan.params}
+
+
+def test_param_rows_carry_ops_and_dims_from_the_graph():
+    g = rows(build(GPT2, {"tp": 2}))
+    assert g["transformer.h.0.attn.c_attn.weight"]["op"] == "qkv"
+    assert g["transformer.h.0.attn.c_attn.weight"]["split_dims"] == [1, 0]  # Conv1D [in, out]
+    assert g["transformer.h.0.attn.c_attn.weight"]["parts"] == [64, 64, 64]
+    assert g["transformer.h.0.attn.c_attn.weight"]["placements"] == ["S(1)"]
+    assert g["transformer.h.0.attn.c_attn.bias"]["parts"] == [64, 64, 64]
+    assert g["transformer.h.1.mlp.c_proj.weight"] == {**g["transformer.h.1.mlp.c_proj.weight"],
+                                                      "op": "ffn2", "layer": 1,
+                                                      "placements": ["S(0)"]}
+    assert g["transformer.wte.weight"]["op"] == "embedding"
+    assert g["transformer.wte.weight"]["tied"] == [{"op": "lm_head", "module": "lm_head"}]
+    assert g["transformer.wpe.weight"]["op"] is None and g["transformer.wpe.weight"]["stage"] == 0
+    m = rows(build(MIXTRAL, {"tp": 2, "ep": 2}))
+    gu = m["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (gu["op"], gu["split_dims"], gu["expert_dim"], gu["parts"]) == \
+        ("expert_ffn1", [1, 2], 0, [128, 128])
+    assert m["model.layers.0.input_layernorm.weight"]["op"] is None
+    e = rows(build(GPT_MOE, {"tp": 2, "ep": 2}))
+    assert e["layers.1.moe.experts.w_in"]["split_dims"] == [2, 1]  # [E, in, out]
+    assert e["layers.1.moe.experts.w_in"]["placements"] == ["S(0)", "S(2)"]
+    assert e["layers.0.attn.qkv.weight"]["parts"] == [64, 64, 64]
+    # OLMoE's tiny gate_up_proj is square [8, 64, 64]: only the transpose record tells
+    o = rows(build(OLMOE, {"tp": 2, "ep": 2}))
+    assert o["model.layers.0.mlp.experts.gate_up_proj"]["shape"][1:] == [64, 64]
+    assert o["model.layers.0.mlp.experts.gate_up_proj"]["split_dims"] == [1, 2]
+
+
+def test_transpose_record_decides_a_square_weight():
+    """Without the frontend's record a square ``[E, 64, 64]`` grouped-matmul weight reads as
+    ``[E, in, out]`` (x @ W); HF transposes it first, so it is ``[E, out, in]``."""
+    from shardc.frontends import load_graph
+    from shardc.ir.param_roles import param_uses
+
+    g = load_graph(OLMOE, tiny=True)
+    fqn = "model.layers.0.mlp.experts.gate_up_proj"
+    node = next(n for n in g.nodes if any(p.fqn == fqn for p in n.params))
+    assert node.attrs["param_dims"][fqn] == [0, 2, 1]
+    assert param_uses(g)[fqn].split_dims == (1, 2)
+    del node.attrs["param_dims"]
+    assert param_uses(g)[fqn].split_dims == (2, 1)
+
+
+@pytest.mark.parametrize("model_file, degrees", [(MIXTRAL, {"tp": 2, "ep": 2}),
+                                                 (str(ROOT / "examples" / "tiny_deepseek_v3.py"),
+                                                  {"tp": 4})])
+def test_plan_without_ir_fields_emits_the_same_file(model_file, degrees):
+    plan = build(model_file, degrees)
+    new = plan.code(standalone=True)
+    for r in plan.params:
+        for key in ("op", "layer", "split_dims", "expert_dim", "parts", "tied"):
+            r.pop(key, None)
+    assert plan.code(standalone=True) == new
