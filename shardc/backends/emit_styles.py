@@ -20,6 +20,7 @@ names and module suffixes (from plan.json) as literals (``_literal``), comments 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
@@ -32,8 +33,10 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "PrepareModuleInput": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
-_RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "ReplicateParallel", "decoder_layers",
-                  "install_batch_split", "submesh")
+_RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "FullWidthNormParallel",
+                  "HeadParallelAttention", "PrepareHiddenStates", "ReplicateParallel",
+                  "RouterParallel", "WeightColwiseParallel", "WeightRowwiseParallel",
+                  "decoder_layers", "install_batch_split", "submesh")
 _STANDALONE_NOTE = ("\n\nStandalone: imports only torch; shardc's few ParallelStyles (what torch "
                     "lacks) are\ninlined below, ahead of the plan.")
 
@@ -145,7 +148,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
                       f"BATCH = {_literal(int(st.batch))}",
                       f"LAYER_KINDS = {_literal(_ranges(kinds))}",
                       f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"])
-    used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if n + "(" in code_text}
+    used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if re.search(rf"\b{n}\(", code_text)}
     straight: set[str] = {"torch"}
     froms: dict[str, set[str]] = {"torch.distributed.device_mesh": {"init_device_mesh"}}
     runtime = ""

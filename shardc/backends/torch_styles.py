@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardc.backends.dtensor import _literal
 from shardc.ir.contract import BRANCHES, CHOICE_NAMES, redistribution, walk
 from shardc.ir.strategy import residual_placement
 
@@ -108,6 +109,24 @@ def _style(op: str, step, src: str) -> str | None:
     return f"{ps}({', '.join(args)})"
 
 
+def _for_weight(code: str | None, row: dict | None) -> str | None:
+    """``code`` adapted to the module's weight (its params row): torch's Colwise / Rowwise
+    styles take ``nn.Linear`` weights ``[out, in]``; a weight stored otherwise (GPT-2's Conv1D
+    ``[in, out]``) or packing parts gets :class:`~shardc.runtime.styles.WeightColwiseParallel`
+    / ``WeightRowwiseParallel`` with the dims and part widths (integers) from the row."""
+    if code is None or row is None or len(row["shape"]) != 2:
+        return code
+    dims = [int(d) for d in row.get("split_dims") or (0, 1)]
+    parts = tuple(int(w) for w in row.get("parts") or ())
+    inner = code[code.index("(") + 1:-1]
+    if code.startswith("ColwiseParallel(") and (dims != [0, 1] or parts):
+        head = f"out_dim={dims[0]}" + (f", parts={parts}" if parts else "")
+        return f"WeightColwiseParallel({head}{', ' + inner if inner else ''})"
+    if code.startswith("RowwiseParallel(") and dims != [0, 1]:
+        return f"WeightRowwiseParallel(in_dim={dims[1]}{', ' + inner if inner else ''})"
+    return code
+
+
 @dataclass
 class LayerModules:
     """One decoder layer as the plan's params rows describe it (op and layer from the IR,
@@ -119,6 +138,11 @@ class LayerModules:
     weights: dict[str, dict] = field(default_factory=dict)  # suffix.param -> params row
     replicated: list[str] = field(default_factory=list)  # 2-D weights of no op (MLA down)
     norms: list[tuple[str, int]] = field(default_factory=list)  # (suffix, width) 1-D params
+
+    def weight_of(self, mod: str) -> dict | None:
+        """The params row of module ``mod``'s (>= 2-D) weight."""
+        return next((r for key, r in self.weights.items()
+                     if key.rsplit(".", 1)[0] == mod and len(r["shape"]) >= 2), None)
 
     def params_of(self, op: str) -> list[tuple[str, str, dict]]:
         """(module suffix, parameter name, row) of every parameter of ``op``."""
@@ -212,19 +236,6 @@ def _global_modules(rows: list[dict]) -> dict[str, str]:
     return out
 
 
-def _check_layouts(kind: str, lm: LayerModules) -> None:
-    """What the styles below do not realise yet (each a NotCovered naming it)."""
-    for key, r in lm.weights.items():
-        op = r.get("op")
-        if op is None or op in ("expert_ffn1", "expert_ffn2"):
-            continue
-        if r.get("parts"):
-            raise NotCovered(f"{kind}: {key} packs {len(r['parts'])} parts of {op} in one "
-                             "weight")
-        if len(r["shape"]) == 2 and list(r.get("split_dims") or []) != [0, 1]:
-            raise NotCovered(f"{kind}: {key} is stored [in, out]")
-
-
 def style_plan(plan) -> StylePlan:
     """The :class:`StylePlan` of a :class:`shardc.plan.Plan` (raises :class:`NotCovered`)."""
     from shardc.backends.layout import rows_with_ops
@@ -242,7 +253,6 @@ def style_plan(plan) -> StylePlan:
         if container not in (None, lm.container):
             raise NotCovered(f"decoder layers under {container!r} and {lm.container!r}")
         container = lm.container
-        _check_layouts(str(kind), lm)
 
         def choice(op, kind=kind):
             return int(st.choices.get(f"{kind}.{op}", 2))
@@ -263,7 +273,15 @@ def style_plan(plan) -> StylePlan:
         if "expert_ffn1" in lm.ops:
             any_experts = True
             kp.experts = _experts_entry(str(kind), lm, choice, deg, res)
+        seen = [e.suffix for e in kp.entries]
+        if len(set(seen)) != len(seen):  # a dict literal keeps one style per module
+            raise NotCovered(f"{kind}: two styles on one module {seen}")
         kinds.append(kp)
+    tables = [r["fqn"] for r in rows if r.get("layer") is None and r.get("op") is None
+              and len(r["shape"]) == 2 and not r.get("tied")]
+    if tables and res != "R":
+        raise NotCovered(f"{tables[0]!r} (a learned position table, added to the token "
+                         "embedding) under sequence parallelism")
     model_entries = []
     where = _global_modules(rows)
     if tp > 1:
@@ -281,8 +299,13 @@ def style_plan(plan) -> StylePlan:
                      container or "model.layers")
 
 
+HF_EXPERT_WEIGHTS = {"gate_up_proj": (1, (2,)), "down_proj": (2, ())}  # the style's default
+
+
 def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | None:
-    """The ExpertParallel entry of a layer with stacked experts (ep x tp mesh)."""
+    """The ExpertParallel entry of a layer with stacked experts (ep x tp mesh): the weights'
+    names, tp dims (the first weight's output features, the second's input features) and
+    packed parts come from the params rows."""
     tp = deg.tp
     (f1, f2) = (choice("expert_ffn1"), choice("expert_ffn2"))
     if tp > 1 and (f1, f2) not in ((0, 1), (2, 2)):
@@ -290,26 +313,37 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
                          (("expert_ffn1", f1), ("expert_ffn2", f2)))
         raise NotCovered(f"{kind}: experts {names} (covered: col/row, rep/rep)")
     split = tp > 1 and (f1, f2) == (0, 1)
-    if split and res != "R":
-        raise NotCovered(f"{kind}: col/row experts under sequence parallelism "
-                         "(covered: rep/rep)")
     mods = lm.ops["expert_ffn1"] + [m for m in lm.ops.get("expert_ffn2", [])
                                     if m not in lm.ops["expert_ffn1"]]
-    if len(mods) != 1:
-        raise NotCovered(f"{kind}: expert weights in several modules {mods}")
-    names = {op: [n for _, n, _ in lm.params_of(op)] for op in ("expert_ffn1", "expert_ffn2")}
-    layouts = {op: [list(r.get("split_dims") or []) for _, _, r in lm.params_of(op)]
-               for op in names}
-    if names != {"expert_ffn1": ["gate_up_proj"], "expert_ffn2": ["down_proj"]} or \
-            layouts != {"expert_ffn1": [[1, 2]], "expert_ffn2": [[1, 2]]}:
-        raise NotCovered(f"{kind}: experts {names} stored {layouts} (covered: HF stacked "
-                         "gate_up_proj [E, 2f, h], down_proj [E, h, f])")
+    first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
+    second = [(n, r) for _, n, r in lm.params_of("expert_ffn2") if len(r["shape"]) == 3]
+    if len(mods) != 1 or len(first) != 1 or len(second) != 1 or \
+            len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != 2:
+        raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul, "
+                         "no biases, is covered")
+    (n1, r1), (n2, r2) = first[0], second[0]
+    if r1.get("expert_dim") != 0 or r2.get("expert_dim") != 0:
+        raise NotCovered(f"{kind}: experts stacked on a dim other than 0")
+    weights = {str(n1): (int(r1["split_dims"][0]), tuple(int(w) for w in r1.get("parts", ()))),
+               str(n2): (int(r2["split_dims"][1]), ())}
+    if weights[str(n1)][1]:  # equal parts: the style's count form
+        widths = weights[str(n1)][1]
+        weights[str(n1)] = (weights[str(n1)][0], (len(widths),) if len(set(widths)) == 1
+                            else widths)
     what = ("counts exchanged, then uneven all_to_all_single dispatch + combine "
             f"over ep={deg.ep}") if deg.ep > 1 else "no ep exchange"
-    if split:
+    args = [f"tp_split={split}"]
+    if weights != HF_EXPERT_WEIGHTS:  # names from the plan: literals; dims and widths: ints
+        items = ", ".join(f"{_literal(k)}: ({d}, ({''.join(f'{w}, ' for w in ps)}))"
+                          for k, (d, ps) in weights.items())
+        args.append(f"weights={{{items}}}")
+    if split and res != "R":
+        what += "; all_gather S(0)->R of the tokens, reduce_scatter P->S(0) of the outputs over tp"
+        args.append("token_rows=True")
+    elif split:
         what += "; all_reduce P->R of the expert outputs over tp"
     if deg.ep > 1 or tp > 1:
-        return Entry(mods[0], f"ExpertParallel(tp_split={split})", what)
+        return Entry(mods[0], f"ExpertParallel({', '.join(args)})", what)
     return None
 
 
@@ -332,10 +366,9 @@ def _prepare(kp: KindPlan, module: str, branch: str, src: str, want: str,
         return want
     coll = redistribution(src, want) or "no collective"
     note = f"{coll} {src}->{want} before {first_op}, once for the branch"
-    if branch == "attention":  # HF decoder layers pass hidden_states by keyword
-        code = (f"PrepareModuleInput(input_kwarg_layouts={{'hidden_states': {LAYOUT[src]}}}, "
-                f"desired_input_kwarg_layouts={{'hidden_states': {LAYOUT[want]}}}, "
-                "use_local_output=True)")
+    if branch == "attention":  # by keyword (HF decoder layers) or positionally (GPT-2)
+        code = (f"PrepareHiddenStates(input_layouts={LAYOUT[src]}, "
+                f"desired_input_layouts={LAYOUT[want]})")
     else:
         code = (f"PrepareModuleInput(input_layouts=({LAYOUT[src]},), "
                 f"desired_input_layouts=({LAYOUT[want]},), use_local_output=True)")
@@ -347,8 +380,15 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
     steps = {s.op: s for s in w.steps}
     if branch == "router":
         s = steps["router"]
-        if s.choice.parallel_style is not None or _style("router", s, res):
-            raise NotCovered(f"{kp.kind}: router {s.choice.name} (covered: rep)")
+        code = _style("router", s, res)
+        if code and res != "R":
+            raise NotCovered(f"{kp.kind}: router {s.choice.name} under sequence parallelism "
+                             "(covered: rep)")
+        if code and s.choice.parallel_style is not None:
+            code = f"RouterParallel({code})"  # an HF router module computes its own top-k
+        for mod in lm.ops.get("router", []) if code else []:
+            kp.entries.append(Entry(mod, code, f"router {s.choice.name}: " + _collectives(
+                res, s.need, s.produced, s.after)))
         return
     if branch == "experts":
         return
@@ -367,18 +407,18 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
             raise NotCovered(f"{kp.kind}: MLA qkv row under sequence parallelism")
         src = _prepare(kp, attn, branch, res, attn_in, "qkv")
         if not batch:
-            if _full_width_qk_norms(lm, attn) and qkv.after == "S(1)":
-                raise NotCovered(f"{kp.kind}: q/k norms over the whole projection under a "
-                                 "heads split are not covered")
             code = _style("qkv", qkv, src)
             for mod in lm.ops.get("qkv", []) if code else []:
-                kp.entries.append(Entry(mod, code, f"qkv {qkv.choice.name}: " + _collectives(
-                    src, qkv.need, qkv.produced, qkv.after)))
+                kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                                        f"qkv {qkv.choice.name}: " + _collectives(
+                                            src, qkv.need, qkv.produced, qkv.after)))
+            if qkv.after == "S(1)":
+                _heads_split(kp, lm, attn)
         code = _style("out_proj", out, core.produced)
         for mod in lm.ops.get("out_proj", []) if code else []:
-            kp.entries.append(Entry(mod, code, f"out_proj {out.choice.name}: "
-                                    + _collectives(core.produced, out.need, out.produced,
-                                                   out.after)))
+            kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                                    f"out_proj {out.choice.name}: " + _collectives(
+                                        core.produced, out.need, out.produced, out.after)))
         return
     first, second = BRANCHES[branch]
     module = _parent(lm.ops.get(first, []) + lm.ops.get(second, []), branch)
@@ -387,6 +427,25 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
         s = steps[op]
         code = _style(op, s, src)
         for mod in lm.ops.get(op, []) if code else []:
-            kp.entries.append(Entry(mod, code, f"{op} {s.choice.name}: " + _collectives(
-                src, s.need, s.produced, s.after)))
+            kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                                    f"{op} {s.choice.name}: " + _collectives(
+                                        src, s.need, s.produced, s.after)))
         src = s.after
+
+
+def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
+    """What a heads split needs beyond the column-parallel projections: an attention module
+    whose q|k|v come packed in one weight sizes its head views from attributes
+    (``HeadParallelAttention``); q/k norms over the whole projection (OLMoE) see this rank's
+    heads (``FullWidthNormParallel``: one ``[tokens, 1]`` all-reduce each)."""
+    if any(r.get("parts") for _, _, r in lm.params_of("qkv")):
+        note = "attn_core heads: the module's head counts / tp"
+        prep = next((e for e in kp.entries if e.suffix == attn), None)
+        if prep is None:
+            kp.entries.append(Entry(attn, "HeadParallelAttention()", note))
+        else:  # one style per module: the heads split also moves the input
+            prep.style = prep.style.replace("PrepareHiddenStates(", "HeadParallelAttention(")
+            prep.comment += "; " + note
+    for mod in _full_width_qk_norms(lm, attn):
+        kp.entries.append(Entry(mod, "FullWidthNormParallel()",
+                                "norm over all heads: all_reduce of the sum of squares"))

@@ -19,10 +19,22 @@ from shardc.runtime.apply import (
     make_mesh,
     submesh,
 )
-from shardc.runtime.styles import BatchSplitAttention, ExpertParallel, ReplicateParallel
+from shardc.runtime.styles import (
+    BatchSplitAttention,
+    ExpertParallel,
+    FullWidthNormParallel,
+    HeadParallelAttention,
+    PrepareHiddenStates,
+    ReplicateParallel,
+    RouterParallel,
+    WeightColwiseParallel,
+    WeightRowwiseParallel,
+)
 
 SOURCES = ("styles.py", "apply.py")  # inlined in this order by ``--standalone``
 
-__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "PrepareModuleInput",
-           "Replicate", "ReplicateParallel", "RowwiseParallel", "SOURCES", "Shard", "apply_plan",
-           "decoder_layers", "install_batch_split", "make_mesh", "parallelize_module", "submesh"]
+__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
+           "HeadParallelAttention", "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
+           "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
+           "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan", "decoder_layers",
+           "install_batch_split", "make_mesh", "parallelize_module", "submesh"]
