@@ -140,3 +140,30 @@ def test_covered_families_match_unsharded(gloo_results, name):
     r = gloo_results[name]
     assert r["error"] is None, r["error"]
     assert r["rel_err"] <= 1e-4, r
+
+
+def test_verify_runs_the_scaled_plans_emitted_file(tmp_path, monkeypatch):
+    """``shardc verify`` shards with the ``parallelize.py`` of the plan scaled to its ranks
+    (the file Plan.apply runs): a GPT-MoE plan for 8 ranks on 4 keeps its choices and runs
+    the torch-style file."""
+    import argparse
+
+    import shardc.backends.verify as harness
+    from shardc.commands import verify
+
+    plan = build(GPT_MOE, {"tp": 2, "ep": 4}, {"router": "row"})
+    plan.save(tmp_path / "plan.json")
+    seen = {}
+
+    def fake_run_cases(model, cases, world, **kw):
+        seen["code"] = cases[0].code_text
+        seen["world"] = world
+        return [{"name": "plan", "rel_err": 0.0, "error": None}]
+
+    monkeypatch.setattr(harness, "run_cases", fake_run_cases)
+    args = argparse.Namespace(model=GPT_MOE, plan=str(tmp_path / "plan.json"), world=4,
+                              tol=1e-4, seq=8)
+    assert verify.run(args) == 0
+    code = seen["code"]
+    assert seen["world"] == 4 and "ModelSharder" not in code
+    assert "MESH_SHAPE = (2, 2)" in code and "'moe.router': RouterParallel(RowwiseParallel(" in code
