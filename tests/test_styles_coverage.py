@@ -105,6 +105,7 @@ def test_plan_without_ir_fields_emits_the_same_file(model_file, degrees):
 
 # ------------------------------------------------------------------ numerics (one launch)
 PHI = str(ROOT / "examples" / "configs" / "phi3_5_moe" / "config.json")
+DEEPSEEK = str(ROOT / "examples" / "tiny_deepseek_v3.py")
 # name -> (model file, degrees, choice overrides); every plan's standalone parallelize.py
 GLOO = {
     "gpt2 megatron tp2 dp2 (Conv1D, packed qkv, tied lm_head)": (GPT2, {"tp": 2, "dp": 2}, {}),
@@ -117,6 +118,9 @@ GLOO = {
     "olmoe tp2 ep2 heads split (q/k norms over all heads)": (OLMOE, {"tp": 2, "ep": 2}, {}),
     "mixtral tp2 ep2 router row": (MIXTRAL, {"tp": 2, "ep": 2}, {"router": "row"}),
     "mixtral tp4 sp, experts col/row": (MIXTRAL, {"tp": 4, "sp": 4}, {}),
+    "mixtral tp2 ep2 sp, router col": (MIXTRAL, {"tp": 2, "ep": 2, "sp": 2}, {"router": "col"}),
+    "gpt-moe tp4 sp, router row": (GPT_MOE, {"tp": 4, "sp": 4}, {"router": "row"}),
+    "deepseek tp4 sp, MLA row": (DEEPSEEK, {"tp": 4, "sp": 4}, {"qkv": "row"}),
 }
 
 

@@ -381,9 +381,6 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
     if branch == "router":
         s = steps["router"]
         code = _style("router", s, res)
-        if code and res != "R":
-            raise NotCovered(f"{kp.kind}: router {s.choice.name} under sequence parallelism "
-                             "(covered: rep)")
         if code and s.choice.parallel_style is not None:
             code = f"RouterParallel({code})"  # an HF router module computes its own top-k
         for mod in lm.ops.get("router", []) if code else []:
@@ -403,8 +400,9 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
         if _rows(attn_in) != _rows(core.need):
             raise NotCovered(f"{kp.kind}: qkv {qkv.choice.name} under sequence parallelism "
                              f"before attention by {core.choice.name}")
-        if lm.replicated and res != "R" and attn_in == "S(1)":
-            raise NotCovered(f"{kp.kind}: MLA qkv row under sequence parallelism")
+        mla_row_sp = bool(lm.replicated) and res != "R" and attn_in == "S(1)"
+        if mla_row_sp:  # the replicated down projections need the whole hidden vector:
+            attn_in = "R"  # all-gathered (the walk charges an all-to-all), then sliced
         src = _prepare(kp, attn, branch, res, attn_in, "qkv")
         if not batch:
             code = _style("qkv", qkv, src)

@@ -254,7 +254,9 @@ class RouterParallel(ParallelStyle):
     (which computes its scores, top-k and weights itself) gets its weight as that style
     shards it and its input as a DTensor, so its own code runs on DTensors: the softmax over
     the sharded expert scores all-gathers them (col) or reduces the partial sums (row), the
-    collective the plan charges; its outputs leave replicated, as local tensors (the
+    collective the plan charges (under sequence parallelism: an all-gather / all-reduce of
+    the scores where the plan charges an all-to-all / reduce-scatter); its outputs leave at
+    the style's output layout (a token-row split is a local slice), as local tensors (the
     returned raw scores, unused by the block's forward, are gathered too: not charged)."""
 
     def __init__(self, style):
@@ -269,7 +271,7 @@ class RouterParallel(ParallelStyle):
         dt = distribute_tensor(module.weight.detach(), device_mesh,
                                [Shard(1) if row else Shard(0)], src_data_rank=self.src_data_rank)
         module.register_parameter("weight", nn.Parameter(dt, requires_grad=False))
-        src = self.style.input_layouts[0]
+        src, out = self.style.input_layouts[0], self.style.output_layouts[0]
         need = Shard(-1) if row else Replicate()
 
         def pre(mod, args):
@@ -279,7 +281,8 @@ class RouterParallel(ParallelStyle):
         def local(t):
             if not isinstance(t, DTensor):
                 return t
-            return t.redistribute(device_mesh, (Replicate(),)).to_local()
+            return t.redistribute(device_mesh, (Replicate(),)).redistribute(
+                device_mesh, (out,)).to_local()
 
         def post(mod, args, out):
             return tuple(local(t) for t in out) if isinstance(out, tuple) else local(out)
