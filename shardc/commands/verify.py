@@ -191,6 +191,7 @@ def tiny_plan(plan, graph, strategy, layer_kinds):
 
 
 def run(args) -> int:
+    from shardc.backends.support import check_module
     from shardc.backends.verify import Case, run_cases
     from shardc.frontends import graph_from_module
     from shardc.frontends.model_file import load_model_file
@@ -206,6 +207,7 @@ def run(args) -> int:
         params = sum(p.numel() for p in model.parameters())
         print(f"tiny variant of {args.model}: {type(model).__name__} with the original layers "
               f"{source}, {params / 1e6:.2f}M parameters (float32, CPU)")
+    check_module(model, args.model)  # a model no parallelize.py can run: exit 2, as compile
     graph = graph_from_module(model, inputs, name=src.name)
     kinds = _tiny_layer_kinds(graph, model, plan)
     strategy, notes = fit_degrees(graph, plan.strategy(), kinds, args.world)
