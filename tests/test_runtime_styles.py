@@ -351,7 +351,7 @@ def test_uncovered_plan_is_refused_naming_what(degrees, choices, what):
 def test_uncovered_router_and_family_refused(tmp_path):
     from shardc.errors import InputError
 
-    plan = build(MIXTRAL, {"ep": 2, "tp": 2}, _with(MOE, M, expert_ffn2="col"))
+    plan = build(MIXTRAL, {"ep": 2, "tp": 2, "sp": 2}, _with(MOE, M, expert_ffn2="col"))
     with pytest.raises(InputError, match="experts col/col"):
         plan.code(standalone=True)
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile",

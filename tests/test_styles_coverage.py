@@ -121,6 +121,14 @@ GLOO = {
     "mixtral tp2 ep2 sp, router col": (MIXTRAL, {"tp": 2, "ep": 2, "sp": 2}, {"router": "col"}),
     "gpt-moe tp4 sp, router row": (GPT_MOE, {"tp": 4, "sp": 4}, {"router": "row"}),
     "deepseek tp4 sp, MLA row": (DEEPSEEK, {"tp": 4, "sp": 4}, {"qkv": "row"}),
+    "mixtral tp2 ep2 experts col/rep": (
+        MIXTRAL, {"tp": 2, "ep": 2}, {"expert_ffn1": "col", "expert_ffn2": "rep"}),
+    "mixtral tp4 experts row/row": (MIXTRAL, {"tp": 4}, {"expert_ffn1": "row",
+                                                          "expert_ffn2": "row"}),
+    "mixtral tp2 dp2 experts rep/col": (
+        MIXTRAL, {"tp": 2, "dp": 2}, {"expert_ffn1": "rep", "expert_ffn2": "col"}),
+    "mixtral tp2 ep2 experts row/col": (
+        MIXTRAL, {"tp": 2, "ep": 2}, {"expert_ffn1": "row", "expert_ffn2": "col"}),
 }
 
 

@@ -12,16 +12,18 @@ The activation placements of plan.json (``[tokens, features]``) become layouts o
 activation ``[batch, seq, hidden]``: ``R`` -> ``Replicate()``, ``S(1)`` -> ``Shard(-1)``,
 ``S(0)`` -> ``Shard(0)`` (batch rows: batch-split attention keeps whole sequences).
 
-Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): HF causal LMs whose
-decoder layers are ``model.layers.<i>`` with Llama-style attention (``q/k/v/o_proj``, per-head
-q/k norms, biases) or DeepSeek MLA (``q_a/q_b`` or ``q_proj``, ``kv_a_proj_with_mqa``,
-``kv_b_proj``), a dense gated MLP or an HF sparse-MoE block (``mlp.gate`` + stacked
-``mlp.experts``, optional ``shared_experts``); pp = 1; a router of choice ``rep``; experts
-``col``/``row`` (not under sequence parallelism) or ``rep``/``rep``; batch-split attention
-with ``rep`` q/k/v; under sequence parallelism the rows the attention module receives must
-be the rows its core computes on (the model's own attention forward derives shapes from
-its input). A repair before a branch's first op is made once at the branch module
-(``PrepareModuleInput`` on ``self_attn`` / ``mlp`` / ``mlp.shared_experts``).
+Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): every model the
+backend accepts (decoder layers under one module list: HF ``model.layers``, GPT-2's
+``transformer.h``, a plain model's ``layers``), pp = 1, every choice except: batch-split
+attention after a ``col`` / ``row`` qkv; under sequence parallelism a ``rep`` qkv before a
+heads split (the model's attention forward sizes its output from the rows it receives) or a
+learned position table (GPT-2); expert pairs other than ``col``/``row`` and ``rep``/``rep``
+for experts that are not HF gated ``[E, out, in]`` or under sequence parallelism. Which
+module realises which op, how its weight is stored and what it packs come from plan.json's
+params rows (``op``, ``layer``, ``split_dims``, ``parts``, ``tied``: the IR's, see
+:mod:`shardc.ir.param_roles`). A repair before a branch's first op is made once at the
+branch module (``PrepareHiddenStates`` on the attention module, ``PrepareModuleInput`` on
+the MLP / shared-experts module).
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from shardc.ir.strategy import residual_placement
 LAYOUT = {"R": "Replicate()", "S(0)": "Shard(0)", "S(1)": "Shard(-1)"}
 
 
-COVERED = ("covered: HF Llama-style decoders (Llama, Qwen2/3, Gemma-2) with a dense MLP or "
-           "Mixtral / Qwen-MoE experts, DeepSeek-V2/V3 MLA with shared experts")
 
 
 class NotCovered(ValueError):
@@ -308,11 +308,8 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
     packed parts come from the params rows."""
     tp = deg.tp
     (f1, f2) = (choice("expert_ffn1"), choice("expert_ffn2"))
-    if tp > 1 and (f1, f2) not in ((0, 1), (2, 2)):
-        names = "/".join(CHOICE_NAMES[op][c] for op, c in
-                         (("expert_ffn1", f1), ("expert_ffn2", f2)))
-        raise NotCovered(f"{kind}: experts {names} (covered: col/row, rep/rep)")
-    split = tp > 1 and (f1, f2) == (0, 1)
+    chain = tp > 1 and (f1, f2) not in ((0, 1), (2, 2))
+    split = tp > 1 and (f1, f2) != (2, 2)
     mods = lm.ops["expert_ffn1"] + [m for m in lm.ops.get("expert_ffn2", [])
                                     if m not in lm.ops["expert_ffn1"]]
     first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
@@ -324,24 +321,40 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
     (n1, r1), (n2, r2) = first[0], second[0]
     if r1.get("expert_dim") != 0 or r2.get("expert_dim") != 0:
         raise NotCovered(f"{kind}: experts stacked on a dim other than 0")
-    weights = {str(n1): (int(r1["split_dims"][0]), tuple(int(w) for w in r1.get("parts", ()))),
-               str(n2): (int(r2["split_dims"][1]), ())}
-    if weights[str(n1)][1]:  # equal parts: the style's count form
-        widths = weights[str(n1)][1]
-        weights[str(n1)] = (weights[str(n1)][0], (len(widths),) if len(set(widths)) == 1
-                            else widths)
+    parts1 = tuple(int(w) for w in r1.get("parts", ()))
     what = ("counts exchanged, then uneven all_to_all_single dispatch + combine "
             f"over ep={deg.ep}") if deg.ep > 1 else "no ep exchange"
+    if chain:
+        names = "/".join(CHOICE_NAMES[op][c] for op, c in
+                         (("expert_ffn1", f1), ("expert_ffn2", f2)))
+        if res != "R" or len(parts1) != 2 or \
+                [r1["split_dims"], r2["split_dims"]] != [[1, 2], [1, 2]]:
+            raise NotCovered(f"{kind}: experts {names} (covered: col/row and rep/rep; other "
+                             "pairs for HF gated experts [E, out, in] without sequence "
+                             "parallelism)")
+        dims = tuple(None if c == 2 else int(r["split_dims"][c])
+                     for r, c in ((r1, f1), (r2, f2)))
+        what += f"; experts {names} over tp, the activation moved between them as the walk says"
+    else:
+        dims = (int(r1["split_dims"][0]), int(r2["split_dims"][1]))
+        if split and res != "R":
+            what += ("; all_gather S(0)->R of the tokens, reduce_scatter P->S(0) of the "
+                     "outputs over tp")
+        elif split:
+            what += "; all_reduce P->R of the expert outputs over tp"
+    if parts1:  # equal parts: the style's count form
+        parts1 = (len(parts1),) if len(set(parts1)) == 1 else parts1
+    weights = {str(n1): (dims[0], parts1), str(n2): (dims[1], ())}
     args = [f"tp_split={split}"]
     if weights != HF_EXPERT_WEIGHTS:  # names from the plan: literals; dims and widths: ints
-        items = ", ".join(f"{_literal(k)}: ({d}, ({''.join(f'{w}, ' for w in ps)}))"
+        items = ", ".join(f"{_literal(k)}: ({d}, {tuple(int(w) for w in ps)!r})"
                           for k, (d, ps) in weights.items())
         args.append(f"weights={{{items}}}")
-    if split and res != "R":
-        what += "; all_gather S(0)->R of the tokens, reduce_scatter P->S(0) of the outputs over tp"
+    if chain:
+        args.append(f"chain=({CHOICE_NAMES['expert_ffn1'][f1]!r}, "
+                    f"{CHOICE_NAMES['expert_ffn2'][f2]!r})")
+    elif split and res != "R":
         args.append("token_rows=True")
-    elif split:
-        what += "; all_reduce P->R of the expert outputs over tp"
     if deg.ep > 1 or tp > 1:
         return Entry(mods[0], f"ExpertParallel({', '.join(args)})", what)
     return None

@@ -19,9 +19,9 @@ from shardc.runtime.apply import (
     make_mesh,
     submesh,
 )
+from shardc.runtime.experts import ExpertParallel
 from shardc.runtime.styles import (
     BatchSplitAttention,
-    ExpertParallel,
     FullWidthNormParallel,
     HeadParallelAttention,
     PrepareHiddenStates,
@@ -31,7 +31,7 @@ from shardc.runtime.styles import (
     WeightRowwiseParallel,
 )
 
-SOURCES = ("styles.py", "apply.py")  # inlined in this order by ``--standalone``
+SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``--standalone``
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
            "HeadParallelAttention", "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
