@@ -270,7 +270,7 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                     if p not in node_params:
                         node_params.append(p)
                     order = dim_order.get(a.name)
-                    if order != tuple(range(len(p.shape))):
+                    if order != tuple(range(len(p.shape))) and p.fqn not in param_dims:
                         param_dims[p.fqn] = None if order is None else list(order)
             elif a.name in produced:
                 inputs.append(rename.get(a.name, a.name))
@@ -281,8 +281,9 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                     layer=layer_of(mpath))
         if len(shapes) > 1:
             node.attrs["output_shapes"] = shapes
-        if param_dims:  # a parameter seen through a transpose / reshape (see _view_dims)
-            node.attrs["param_dims"] = param_dims
+        if param_dims:  # per parameter (node.params order) the dims as the op sees them
+            node.attrs["param_dims"] = [param_dims.get(p.fqn, list(range(len(p.shape))))
+                                        for p in node_params]
         scalars = [a for a in fx.args if isinstance(a, (int, float, bool)) and not isinstance(a, torch.fx.Node)]
         if scalars:
             node.attrs["scalars"] = scalars

@@ -3,8 +3,8 @@ read from the graph, not from parameter names.
 
 A parameter's node says it all: ``Node.fused_op`` (set by the fused-op pass), ``Node.layer``,
 the input / output widths of the node (``in`` / ``out`` features) and, when the frontend saw
-the parameter through a transpose, ``Node.attrs["param_dims"]`` (the parameter's dims in the
-order the op reads them). An op reads a weight as ``[out, in]`` when it is a canonical
+a parameter through a transpose, ``Node.attrs["param_dims"]`` (per parameter of the node, its
+dims in the order the op reads them). An op reads a weight as ``[out, in]`` when it is a canonical
 ``linear`` from ``aten.linear`` (``x @ W^T``), as ``[..., in, out]`` otherwise (``addmm`` /
 ``mm`` / grouped matmuls: ``x @ W``, e.g. GPT-2's Conv1D, stacked experts), and an embedding
 table as ``[vocab, hidden]``; where the widths tell the two apart (``in != out``) they win.
@@ -63,10 +63,19 @@ def _in_out(n: Node) -> tuple[int, int]:
     return k, int(n.output_shape[-1]) if n.output_shape else -1
 
 
-def _weight_dims(n: Node, fqn: str, shape: list[int]) -> tuple[int | None, int | None]:
-    """(out dim, in dim) of weight ``fqn`` (``shape``) as node ``n`` reads it."""
+def _seen_dims(n: Node, i: int) -> list[int] | None:
+    """Dims of ``n.params[i]`` in the order the op reads them (``Node.attrs["param_dims"]``,
+    one entry per parameter; None: seen through a reshape)."""
+    dims = n.attrs.get("param_dims")
+    if dims is None or i >= len(dims):
+        return list(range(len(n.params[i].shape)))
+    return dims[i]
+
+
+def _weight_dims(n: Node, i: int, shape: list[int]) -> tuple[int | None, int | None]:
+    """(out dim, in dim) of weight ``n.params[i]`` (``shape``) as node ``n`` reads it."""
     nd = len(shape)
-    order = n.attrs.get("param_dims", {}).get(fqn, list(range(nd)))
+    order = _seen_dims(n, i)
     if order is None or nd < 2:  # seen through a reshape: the widths alone decide
         order = list(range(nd))
     k, m = _in_out(n)
@@ -118,7 +127,7 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
                 p.fqn for p in n.params if len(p.shape) >= 2)
     uses: dict[str, ParamUse] = {}
     for n in graph.nodes:
-        for p in n.params:
+        for i, p in enumerate(n.params):
             if p.fqn in uses:
                 u = uses[p.fqn]
                 if n.fused_op not in (None, "norm", u.op) and len(p.shape) >= 2 \
@@ -137,10 +146,10 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
                 uses[p.fqn] = ParamUse(op, n.layer, (0, None))
                 continue
             if op == "embedding":
-                order = n.attrs.get("param_dims", {}).get(p.fqn) or [0, 1]
+                order = _seen_dims(n, i) or [0, 1]
                 uses[p.fqn] = ParamUse(op, n.layer, (order[0], order[1]))
                 continue
-            out_d, in_d = _weight_dims(n, p.fqn, shape)
+            out_d, in_d = _weight_dims(n, i, shape)
             expert = next((d for d in range(len(shape)) if d not in (out_d, in_d)), None) \
                 if len(shape) == 3 else None
             parts = _packed_parts(graph, kind_of.get(n.layer), op, shape[out_d],
