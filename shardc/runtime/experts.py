@@ -38,9 +38,10 @@ class ExpertParallel(ParallelStyle):
     their experts' owners with one uneven ``all_to_all_single``, run through the module's
     own forward on the local weights (its activation, gating and layout), and come back with
     one more. The tp partial sums are all-reduced at the experts; with ``token_rows`` (under
-    sequence parallelism the block holds its tp rank's token rows) a tp split first
-    all-gathers the tokens over tp and reduce-scatters the partial outputs back to the rows
-    (replicated experts compute the rank's own rows: no tp collective).
+    sequence parallelism the block holds its tp rank's token rows) a tp split all-gathers
+    over tp the rows each rank received for its experts and reduce-scatters the partial
+    outputs back (:func:`_run_tp_rows`), as the cost model charges; replicated experts
+    compute the rank's own rows (no tp collective).
 
     ``chain=(c1, c2)`` (HF gated experts ``[E, out, in]`` with ``act_fn``; any other pair of
     ``"col"`` / ``"row"`` / ``"rep"``): the two matmuls are computed here, each weight cut as
@@ -87,44 +88,34 @@ class ExpertParallel(ParallelStyle):
         def run(rows, sizes):
             if self.chain is not None and split:
                 return _chain(module, tuple(self.weights), self.chain, rows, sizes, tp_group)
+            if rows_group is not None:
+                return _run_tp_rows(module, forward_local, tuple(self.weights), rows, sizes,
+                                    rows_group)
             return _run_local(module, forward_local, tuple(self.weights), rows, sizes,
                               reduce_group)
 
         def forward(hidden, top_k_index, top_k_weights):
-            if rows_group is not None:
-                hidden, top_k_index, top_k_weights = (
-                    _gather_rows(t, rows_group) for t in (hidden, top_k_index, top_k_weights))
-            out = _dispatch_compute_combine(run, hidden, top_k_index, top_k_weights,
-                                            int(getattr(module, next(iter(self.weights))).shape[0]),
-                                            ep_group)
-            return out if rows_group is None else _reduce_scatter_rows(out, rows_group)
+            return _dispatch_compute_combine(run, hidden, top_k_index, top_k_weights,
+                                             int(getattr(module, next(iter(self.weights))).shape[0]),
+                                             ep_group)
 
         module.forward = forward
         return module
-
-
-def _gather_rows(t: torch.Tensor, group) -> torch.Tensor:
-    """The tp group's rows of ``t`` (rank order), all-gathered along dim 0."""
-    out = t.new_empty(t.shape[0] * dist.get_world_size(group), *t.shape[1:])
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
-    """This rank's rows of the sum over ``group`` of ``t`` (reduce-scatter along dim 0)."""
-    out = t.new_empty(t.shape[0] // dist.get_world_size(group), *t.shape[1:])
-    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
-    return out
 
 
 def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group) -> torch.Tensor:
     """Routed output [T, h] of tokens ``x`` [T, h] (see :class:`ExpertParallel`); ``run(rows,
     sizes)`` computes this rank's experts on rows grouped by local expert."""
     t, k = idx.shape
-    pair_expert = idx.reshape(-1)
-    order = torch.argsort(pair_expert, stable=True)  # (token, k) pairs grouped by expert
-    rows = x[order // k]
-    counts = torch.bincount(pair_expert, minlength=num_experts)  # rows per expert, [E]
+    if x.is_meta:  # shapes only (a fake process group): a balanced routing's counts, each
+        # expert's rows rounded up (exact when E divides tokens x top_k)
+        counts = torch.full((num_experts,), -(-t * k // num_experts), dtype=torch.long)
+        order, rows = None, x.new_empty(int(counts.sum()), x.shape[1])
+    else:
+        pair_expert = idx.reshape(-1)
+        order = torch.argsort(pair_expert, stable=True)  # (token, k) pairs grouped by expert
+        rows = x[order // k]
+        counts = torch.bincount(pair_expert, minlength=num_experts)  # rows per expert, [E]
     if ep_group is not None:
         ep = dist.get_world_size(ep_group)
         recv_counts = torch.empty_like(counts)  # [ep source, local expert], flattened
@@ -136,7 +127,7 @@ def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group) 
         per_src = recv_counts.view(ep, -1)
         local = per_src.shape[1]
         row_expert = torch.arange(local).repeat(ep).repeat_interleave(per_src.reshape(-1))
-        regroup = torch.argsort(row_expert, stable=True)  # source-major -> expert-major
+        regroup = torch.argsort(row_expert, stable=True).to(x.device)  # source -> expert-major
         out = run(recv[regroup], per_src.sum(0).tolist())
         back = torch.empty_like(out)
         back[regroup] = out
@@ -144,18 +135,57 @@ def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group) 
         dist.all_to_all_single(out, back, send_splits, recv_splits, group=ep_group)
     else:
         out = run(rows, counts.tolist())
-    pairs = torch.empty_like(out)
-    pairs[order] = out
+    if order is None:
+        pairs = out[:t * k]
+    else:
+        pairs = torch.empty_like(out)
+        pairs[order] = out
     # as HF's experts: each weighted row cast to the activation dtype, then summed
     return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
 
+def _run_tp_rows(module, forward_local, names, rows: torch.Tensor, sizes: list[int],
+                 group) -> torch.Tensor:
+    """Column / row parallel experts under sequence parallelism: every tp rank received its
+    own token rows' pairs (``rows``, ``sizes[j]`` for local expert j). The per-expert counts
+    are all-gathered over tp (``L`` int64, latency only), the rows all-gathered (padded to
+    the largest rank's count: exactly the rows when balanced), every rank's rows run through
+    the local shards, and the partial outputs reduce-scattered back to their rank."""
+    n = dist.get_world_size(group)
+    mine = torch.tensor(sizes, dtype=torch.long)
+    every = torch.empty(n * len(sizes), dtype=torch.long)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    per_rank = [list(sizes)] * n if rows.is_meta else every.view(n, -1).tolist()
+    m = max(sum(c) for c in per_rank)
+    padded = rows.new_zeros(m, rows.shape[1]) if not rows.is_meta else rows.new_empty(m, rows.shape[1])
+    padded[:rows.shape[0]] = rows
+    gathered = rows.new_empty(n * m, rows.shape[1])
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    blocks = [gathered[i * m:i * m + sum(c)] for i, c in enumerate(per_rank)]
+    ids = torch.cat([_expert_ids(c) for c in per_rank]).to(rows.device)
+    out = _run_local(module, forward_local, names, torch.cat(blocks), sizes, None, ids)
+    back = out.new_zeros(n * m, out.shape[1]) if not out.is_meta else out.new_empty(n * m, out.shape[1])
+    start = 0
+    for i, c in enumerate(per_rank):
+        back[i * m:i * m + sum(c)] = out[start:start + sum(c)]
+        start += sum(c)
+    result = out.new_empty(m, out.shape[1])
+    dist.reduce_scatter_tensor(result, back, group=group)
+    return result[:rows.shape[0]]
+
+
+def _expert_ids(sizes: list[int]) -> torch.Tensor:
+    """Local expert index of each row of rows grouped by expert (``sizes[j]`` rows of j)."""
+    return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
+
+
 def _run_local(module, forward_local, names, rows: torch.Tensor, sizes: list[int],
-               tp_group) -> torch.Tensor:
+               tp_group, ids: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's experts over ``rows`` grouped by expert (``sizes[j]`` rows for local
-    expert j), computed by the module's own forward (``forward_local``) on the local weight
-    shards with weight 1 per row; tp partial sums all-reduced over ``tp_group``."""
-    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
+    expert j; or ``ids``: each row's local expert), computed by the module's own forward
+    (``forward_local``) on the local weight shards with weight 1 per row; tp partial sums
+    all-reduced over ``tp_group``."""
+    ids = (_expert_ids(sizes) if ids is None else ids).to(rows.device)
     ones = rows.new_ones(rows.shape[0], 1)
     saved = {n: module._parameters[n] for n in names}
     num = getattr(module, "num_experts", None)
