@@ -109,6 +109,8 @@ DEEPSEEK = str(ROOT / "examples" / "tiny_deepseek_v3.py")
 # name -> (model file, degrees, choice overrides); every plan's standalone parallelize.py
 GLOO = {
     "gpt2 megatron tp2 dp2 (Conv1D, packed qkv, tied lm_head)": (GPT2, {"tp": 2, "dp": 2}, {}),
+    "gpt2 tp2 dp2 sp (learned positions broadcast over the rows)": (
+        GPT2, {"tp": 2, "dp": 2, "sp": 2}, {}),
     "gpt2 tp2 dp2 batch attention, hidden embedding": (
         GPT2, {"tp": 2, "dp": 2},
         {"qkv": "rep", "attn_core": "batch", "out_proj": "col", "embedding": "hidden"}),

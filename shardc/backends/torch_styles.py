@@ -16,8 +16,8 @@ Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): every 
 backend accepts (decoder layers under one module list: HF ``model.layers``, GPT-2's
 ``transformer.h``, a plain model's ``layers``), pp = 1, every choice except: batch-split
 attention after a ``col`` / ``row`` qkv; under sequence parallelism a ``rep`` qkv before a
-heads split (the model's attention forward sizes its output from the rows it receives) or a
-learned position table (GPT-2); expert pairs other than ``col``/``row`` and ``rep``/``rep``
+heads split (the model's attention forward sizes its output from the rows it receives);
+expert pairs other than ``col``/``row`` and ``rep``/``rep``
 for experts that are not HF gated ``[E, out, in]`` or under sequence parallelism. Which
 module realises which op, how its weight is stored and what it packs come from plan.json's
 params rows (``op``, ``layer``, ``split_dims``, ``parts``, ``tied``: the IR's, see
@@ -277,11 +277,6 @@ def style_plan(plan) -> StylePlan:
         if len(set(seen)) != len(seen):  # a dict literal keeps one style per module
             raise NotCovered(f"{kind}: two styles on one module {seen}")
         kinds.append(kp)
-    tables = [r["fqn"] for r in rows if r.get("layer") is None and r.get("op") is None
-              and len(r["shape"]) == 2 and not r.get("tied")]
-    if tables and res != "R":
-        raise NotCovered(f"{tables[0]!r} (a learned position table, added to the token "
-                         "embedding) under sequence parallelism")
     model_entries = []
     where = _global_modules(rows)
     if tp > 1:
