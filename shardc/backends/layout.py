@@ -3,12 +3,15 @@
 The strategy speaks in op terms (``shardc.ir.strategy``): choice 0 shards the op's weight
 "dim 0" (output features for a linear, vocab for the embedding), choice 1 its "dim 1"
 (input features / hidden), choice 2 replicates. How those map onto a real parameter tensor
-depends on how the model stores it (DeepSeek's MLA ``qkv`` shards only its up projections
-``q_b_proj`` / ``kv_b_proj``; the low-rank down projections stay replicated): ``nn.Linear`` keeps ``[out, in]``, GPT-MoE's experts
-keep ``[E, in, out]``, HF Mixtral's ``[E, out, in]``. :data:`PARAM_ROLES` is that table,
-keyed by parameter-name patterns; the runtime (:mod:`shardc.backends.runtime`) and
-``plan.json`` (:func:`param_plan`) both read it, so the shapes the plan promises are the
-shapes the runtime makes.
+depends on how the model stores it (``nn.Linear`` keeps ``[out, in]``, GPT-2's Conv1D
+``[in, out]``, GPT-MoE's experts ``[E, in, out]``, HF Mixtral's ``[E, out, in]``; DeepSeek's
+MLA ``qkv`` shards only its up projections). plan.json's ``params`` rows (:func:`param_plan`)
+take it from the graph (:mod:`shardc.ir.param_roles`: the fused op reading the parameter and
+the dims as it reads them), and the torch-style runtime reads those rows.
+:data:`PARAM_ROLES`, keyed by parameter-name patterns, is the older table: the first runtime
+(:mod:`shardc.backends.runtime`, which has no graph at run time) places parameters with it,
+and rows of a plan written before the IR fields existed get them from it
+(:func:`rows_with_ops`).
 
 Placements here are per *SPMD* mesh dim: the logical mesh without ``pp`` (pipeline stages
 hold whole parameters; the stage split is :func:`shardc.ir.strategy.pipeline_stages`).
