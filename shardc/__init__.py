@@ -21,7 +21,7 @@ def compile(model, example_inputs=None, **kwargs):  # noqa: A001 - the documente
 
 
 def load_plan(path):
-    """Read and validate a plan.json (schema_version 1); see :func:`shardc.plan.load_plan`."""
+    """Read and validate a plan.json (schema_version 2, or 1); see :func:`shardc.plan.load_plan`."""
     from shardc.plan import load_plan as _load
 
     return _load(path)

@@ -48,25 +48,52 @@ def check_backend_support(model) -> None:
         support.check_module(model)
 
 
+def check_kernels(kernels: str, engine: str) -> None:
+    """InputError unless ``kernels`` / ``engine`` are known (SPEC section 10)."""
+    from shardc.cost.silicon import KERNEL_CHOICES
+    from shardc.cost.silicon_tables import ENGINES
+
+    if kernels not in KERNEL_CHOICES:
+        raise InputError(f"--kernels {kernels!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    if engine not in ENGINES:
+        raise InputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+
+
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
             seed: int = 0, progress=None, name: str | None = None,
-            degrees: str | dict | None = None):
+            degrees: str | dict | None = None, kernels: str = "silicon", engine: str = "vllm",
+            allow_cross_node_tp: bool = False):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
+
+    ``kernels``: ``"silicon"`` (NVIDIA's measured kernel latencies where they cover the
+    hardware, roofline elsewhere) or ``"roofline"``; ``engine``: whose kernels (``vllm``,
+    ``sglang``, ``trtllm``). plan.json ``predicted.kernel_source`` says what priced it.
 
     ``degrees`` fixes any subset of tp, ep, pp, dp, sp (``"tp=8,pp=2"`` or a dict); the
     search explores the rest. Raises InputError (bad input) or InfeasibleError (nothing
-    fits; says what is short).
+    fits; says what is short). tp stays inside one node's NVLink domain unless
+    ``allow_cross_node_tp``.
     """
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
-                                budget, seed, progress, name, degrees=degrees)[0]
+                                budget, seed, progress, name, degrees=degrees, kernels=kernels,
+                                engine=engine, allow_cross_node_tp=allow_cross_node_tp)[0]
+
+
+def _baseline_entry(space, result) -> dict:
+    """plan.json ``baseline.<name>``: the baseline's degrees and tok/s/GPU (None, None when
+    it found nothing feasible or did not run)."""
+    found = result is not None and result.best_action is not None
+    return {"degrees": space.decode(result.best_action).degrees.as_dict() if found else None,
+            "tok_s_per_gpu": float(result.best_value) if found else None}
 
 
 def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          hardware: str = "h100", workload: Workload | None = None,
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
                          name: str | None = None, check_backend: bool = True,
-                         degrees: str | dict | None = None):
+                         degrees: str | dict | None = None, kernels: str = "silicon",
+                         engine: str = "vllm", allow_cross_node_tp: bool = False):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
@@ -79,6 +106,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
 
     if search not in POLICIES:
         raise InputError(f"--search {search!r}: expected one of {', '.join(POLICIES)}")
+    check_kernels(kernels, engine)
     if int(budget) < 1:
         raise InputError("--budget must be a positive number of evaluations")
     if int(seed) < 0:
@@ -91,20 +119,30 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         check_backend_support(model)
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
+    if workload.phase == "serve":
+        return compile_serve(graph, mesh, hw, workload, search, int(budget), int(seed),
+                             progress, fixed, t0, kernels=kernels, engine=engine,
+                             allow_cross_node_tp=bool(allow_cross_node_tp))
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
-                          seed=int(seed), progress=progress, fixed=fixed)
+                          seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
+                          engine=engine, allow_cross_node_tp=bool(allow_cross_node_tp))
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
+    baseline = {name: _baseline_entry(outcome.space, result)
+                for name, result in (("megatron", outcome.megatron),
+                                     ("best_practice", outcome.best_practice))}
     mega = outcome.megatron
-    baseline = {"megatron": {
-        "degrees": (outcome.space.decode(mega.best_action).degrees.as_dict()
-                    if mega.best_action is not None else None),
-        "tok_s_per_gpu": float(mega.best_value) if mega.best_action is not None else None,
-    }}
+    if mega.best_action is not None:  # does the ratio survive a +-1% SLO change?
+        from shardc.cost.slo_cliff import slo_cliff_check
+
+        baseline["megatron"]["slo_check"] = slo_cliff_check(
+            outcome.cost_model, outcome.space, outcome.strategy,
+            float(outcome.result.best_value), float(mega.best_value))
     search_info = {
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,
         "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
+        "allow_cross_node_tp": bool(allow_cross_node_tp),
     }
     if fixed:
         search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}
@@ -112,3 +150,83 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                       hardware=hw.name, workload=workload, predicted=breakdown.predicted,
                       baseline=baseline, search=search_info)
     return plan, outcome
+
+
+def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str, budget: int,
+                  seed: int, progress, fixed: dict, t0: float, kernels: str = "silicon",
+                  engine: str = "vllm", allow_cross_node_tp: bool = False):
+    """``--phase serve``: the serving search (:func:`shardc.serving.serve_search`) and the
+    plan of its choice -- top level = the mixed pool (agg) or the decode pool (disagg), with
+    plan.json's ``serving`` section; ``outcome.pool_plans`` holds one Plan per pool (for
+    ``parallelize_<role>.py``). Returns (plan, outcome)."""
+    from shardc.passes.annotate import annotate
+    from shardc.plan import build_plan, op_rows
+    from shardc.serving import serve_search
+
+    out = serve_search(graph, mesh, hw, workload, policy=search, budget=budget, seed=seed,
+                       progress=progress, fixed=fixed, kernels=kernels, engine=engine,
+                       allow_cross_node_tp=allow_cross_node_tp)
+    wall_s = time.perf_counter() - t0
+    choice = out.choice
+    pools, plans = [], {}
+    serving = {"mode": choice.mode, "pools": pools,
+               "pareto": [{"mode": m, **p} for m, pts in out.pareto.items() for p in pts],
+               "predicted": choice.predicted(),
+               "modes": {m: (c.predicted() | {"plan": c.describe()}) if c else None
+                         for m, c in out.by_mode.items()},
+               "alternatives": out.alternatives, "binding": out.binding,
+               "slo_moves": out.slo_moves}
+    for role, workers, strategy, row in choice.pools:
+        pool = out.pools[role]
+        tokens = strategy.batch * (workload.isl if role == "prefill" else 1)
+        g = annotate(graph, strategy, tokens=tokens)
+        ops = op_rows(g, strategy, [d for d in strategy.degrees.spmd_dims()])
+        pred = pool.cost_model.simulate(strategy).predicted
+        if role == "prefill":
+            pred["ttft_ms"] = float(row["ttft"])  # + the KV transfer to the decode pool
+        pools.append({"role": role, "workers": int(workers),
+                      "gpus_per_worker": strategy.degrees.replica_gpus,
+                      "degrees": strategy.degrees.as_dict(), "batch": int(strategy.batch),
+                      "ops": [{"name": o["name"], "kind": o["kind"], "choice": o["choice"]}
+                              for o in ops],
+                      "predicted": {k: pred[k] for k in ("tok_s_per_gpu", "tpot_ms", "ttft_ms",
+                                                         "memory_gb_per_gpu")}})
+        plans[role] = (g, strategy, pool, pred)
+    top_role = choice.pools[-1][0]
+    g, strategy, pool, pred = plans[top_role]
+    predicted = dict(pred, **{k: choice.predicted()[k] for k in ("tok_s_per_gpu", "tpot_ms",
+                                                                   "ttft_ms")})
+    mega = out.megatron
+    baseline = {"megatron": _serve_baseline(mega),
+                "best_practice": _serve_baseline(out.best_practice)}
+    pol = {role: p.results[search] for role, p in out.pools.items()}
+    search_info = {
+        "policy": search, "budget": budget, "seed": seed, "wall_s": round(wall_s, 3),
+        "evaluations": int(sum(r.evaluations for r in pol.values())),
+        "chosen_from": out.chosen_from,
+        "best_curve": [[int(e), float(v)] for e, v in pol[top_role].curve],
+        "pools_searched": sorted(out.pools),
+        "allow_cross_node_tp": bool(allow_cross_node_tp),
+    }
+    if out.exact is not None and out.exact_complete:
+        search_info["exact_tok_s_per_gpu"] = float(out.exact.tok_s_per_gpu)
+        search_info["optimum_fraction"] = float(choice.tok_s_per_gpu / out.exact.tok_s_per_gpu)
+    if fixed:
+        search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}
+    common = dict(mesh=mesh, hardware=hw.name, baseline=baseline, search=search_info,
+                  annotated=True, serving=serving, serve_workload=workload)
+    pool_plans = {}
+    for role, (g_r, s_r, pool_r, pred_r) in plans.items():
+        pool_plans[role] = build_plan(graph=g_r, strategy=s_r, workload=pool_r.cost_model.workload,
+                                      predicted=pred_r if role != top_role else predicted, **common)
+    out.pool_plans = pool_plans
+    return pool_plans[top_role], out
+
+
+def _serve_baseline(choice) -> dict | None:
+    """plan.json ``baseline`` entry of a serving baseline (None when it found nothing)."""
+    if choice is None:
+        return None
+    last = choice.pools[-1][2]
+    return {"degrees": last.degrees.as_dict(), "tok_s_per_gpu": float(choice.tok_s_per_gpu),
+            "plan": choice.describe()}

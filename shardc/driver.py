@@ -7,7 +7,8 @@ Given the layer kinds and fused ops of a graph, a mesh, a hardware preset and a 
 builds the strategy space (:class:`shardc.ir.space.StrategySpace`), the cost model
 (:class:`shardc.cost.CostModel`) and asks a searcher (:func:`shardc.search.run_search`) for
 the strategy maximising predicted tokens/s/GPU under the SLOs and HBM. It always runs the
-Megatron heuristic too (same cost model, same run) as the baseline the result is compared to.
+Megatron heuristic and the best-practice baseline too (same cost model, same run): the
+baselines the result is compared to (its gain is claimed against the stronger one).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shardc.cost import CostModel
 from shardc.cost.infeasible import infeasible_message
 from shardc.errors import InfeasibleError
 from shardc.ir.graph import Graph
-from shardc.ir.space import StrategySpace, megatron_ops_at_tp1
+from shardc.ir.space import StrategySpace, megatron_ops_at_tp1, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
 from shardc.search import SearchResult, cost_model_objective, run_search
@@ -37,8 +38,9 @@ class SearchOutcome:
     result: SearchResult
     megatron: SearchResult
     exact_value: float | None = None
-    chosen_from: str = "rl"  # the policy whose strategy was kept ("megatron" if it was better)
+    chosen_from: str = "rl"  # the policy whose strategy was kept (a baseline if it was better)
     searched: SearchResult | None = None  # the requested searcher's own result
+    best_practice: SearchResult | None = None  # the best-practice baseline's sweep
 
 
 def _canonical_when_tp1(space, objective, action, value):
@@ -56,27 +58,36 @@ def _canonical_when_tp1(space, objective, action, value):
 
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
                 budget: int = 4000, seed: int = 0, progress=None,
-                fixed: dict[str, int] | None = None) -> SearchOutcome:
+                fixed: dict[str, int] | None = None, kernels: str = "silicon",
+                engine: str = "vllm", allow_cross_node_tp: bool = False) -> SearchOutcome:
     """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits.
     ``fixed``: degrees the user fixed (``--degrees``; see :class:`StrategySpace`); the
-    searcher and the Megatron baseline explore the rest."""
-    space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}))
-    cost_model = CostModel(graph, mesh, hardware, workload)
+    searcher and the baselines explore the rest. ``kernels`` / ``engine``: what prices the ops
+    (:mod:`shardc.cost.silicon`). tp stays inside one NVLink domain unless
+    ``allow_cross_node_tp`` (:func:`shardc.ir.space.nvlink_tp_domain`)."""
+    cost_model = CostModel(graph, mesh, hardware, workload, kernels=kernels, engine=engine)
+    space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}),
+                          tp_domain=nvlink_tp_domain(mesh, cost_model.hw.nvlink_domain,
+                                                     allow_cross_node_tp))
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
-    megatron = run_search("megatron", space, objective, budget=budget, seed=seed)
-    if policy == "megatron":
-        result = megatron
+    baselines = {name: run_search(name, space, objective, budget=budget, seed=seed)
+                 for name in ("megatron", "best_practice")}
+    if policy in baselines:
+        result = baselines[policy]
     else:
         result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
     searched = result
     chosen_from = policy
-    if (megatron.best_action is not None and np.isfinite(megatron.best_value)
-            and (result.best_action is None or megatron.best_value > result.best_value)):
-        # Never hand back a plan worse than the baseline computed in the same run.
-        result, chosen_from = megatron, "megatron"
+    # Never hand back a plan worse than a baseline computed in the same run (a baseline
+    # asked for by name is returned as it is).
+    for name, base in ({} if policy in baselines else baselines).items():
+        if (base.best_action is not None and np.isfinite(base.best_value)
+                and (result.best_action is None or base.best_value > result.best_value)):
+            result, chosen_from = base, name
+    megatron = baselines["megatron"]
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
-            infeasible_message(graph, mesh, hardware, workload, cost_model, space))
+            infeasible_message(graph, mesh, cost_model.hw, workload, cost_model, space))
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
     # collective bytes for the tokens of one step of one replica (as graph.txt's shapes)
@@ -84,4 +95,5 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     annotated = annotate(graph, strategy, tokens=step_tokens)
     exact_value = searched.best_value if policy == "exact" and searched.complete else None
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
-                         exact_value=exact_value, chosen_from=chosen_from, searched=searched)
+                         exact_value=exact_value, chosen_from=chosen_from, searched=searched,
+                         best_practice=baselines["best_practice"])

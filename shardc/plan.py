@@ -36,7 +36,8 @@ from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload, residual_place
 from shardc.text import number_or_dash, one_line
 from shardc.validate import dumps_strict_json, loads_strict_json
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # schema 1 plans (before serving) still load
 SCHEMA_PATH = Path(__file__).parent / "schema" / "plan.schema.json"
 _KEYS = ("schema_version", "shardc_version", "model", "mesh", "workload", "degrees",
          "logical_mesh", "spmd_dims", "layer_kinds", "ops", "params", "nodes", "predicted",
@@ -60,10 +61,14 @@ class Plan:
     predicted: dict = field(default_factory=dict)
     baseline: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)
+    serving: dict = field(default_factory=dict)  # --phase serve only (SPEC section 4)
 
     # ------------------------------------------------------------------ views
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _KEYS}
+        out = {k: getattr(self, k) for k in _KEYS}
+        if self.serving:
+            out["serving"] = self.serving
+        return out
 
     def strategy(self) -> Strategy:
         """The decoded strategy (degrees, batch, per-op choice indices)."""
@@ -179,16 +184,23 @@ def plan_nodes(graph: Graph, workload: dict) -> list[dict]:
 
 def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str,
                workload: Workload, predicted: dict | None = None, baseline: dict | None = None,
-               search: dict | None = None, annotated: bool | None = None) -> Plan:
+               search: dict | None = None, annotated: bool | None = None,
+               serving: dict | None = None, serve_workload: Workload | None = None) -> Plan:
     """Assemble a :class:`Plan`. ``graph`` may already be annotated with ``strategy``
-    (nodes carry placements); otherwise the annotation pass runs here."""
+    (nodes carry placements); otherwise the annotation pass runs here.
+
+    Serving (``serve_workload``, ``serving``: plan.json's ``serving`` section): ``strategy``
+    and ``workload`` are one pool's (the mixed pool, or a disaggregated pool whose ``dp`` is
+    its worker count and whose GPUs may be fewer than the mesh's); the plan's ``workload``
+    says phase ``serve`` with the request's isl/osl."""
     from shardc import __version__
     from shardc.backends.layout import param_plan
     from shardc.passes.annotate import annotate, spmd_dims
 
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
     deg = strategy.degrees
-    if deg.world != mesh.gpus:
+    pool_of_mesh = bool(serving) and serving.get("mode") == "disagg" and deg.world <= mesh.gpus
+    if deg.world != mesh.gpus and not pool_of_mesh:
         raise InputError(f"degrees tp={deg.tp} pp={deg.pp} ep={deg.ep} dp={deg.dp} use "
                          f"{deg.world} GPUs; mesh {mesh} has {mesh.gpus}")
     if annotated is None:
@@ -199,12 +211,16 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     kind_of_layer = {i: k.name for k in g.layer_kinds for i in k.layers}
     wl = dict(phase=workload.phase, batch=int(strategy.batch), context=int(workload.context),
               prompt=int(workload.prompt), tpot_slo_ms=float(workload.tpot_slo_ms),
-              ttft_slo_ms=float(workload.ttft_slo_ms))
+              ttft_slo_ms=float(workload.ttft_slo_ms), weights=workload.weights,
+              kv_cache=workload.kv_cache, isl=int(workload.isl), osl=int(workload.osl))
     nodes = plan_nodes(g, wl)
+    if serve_workload is not None:
+        wl.update(phase="serve", isl=int(serve_workload.isl), osl=int(serve_workload.osl),
+                  mode=serve_workload.mode)
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
         model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),
-               "source": g.source},
+               "source": g.source, **_head_counts(g)},
         mesh={"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes, "hardware": hardware},
         workload=wl, degrees=dict(deg.as_dict()),
         logical_mesh={"shape": list(shape), "dim_names": list(names)},
@@ -212,12 +228,19 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers)}
                      for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
-        params=param_plan(g, strategy, kind_of_layer),
+        params=param_plan(g, strategy, kind_of_layer),  # KV heads: from the IR
         nodes=nodes, predicted=dict(predicted or {}), baseline=dict(baseline or {}),
-        search=dict(search or {}))
+        search=dict(search or {}), serving=dict(serving or {}))
 
 
 # ---------------------------------------------------------------------- loading
+def _head_counts(g: Graph) -> dict:
+    """plan.json ``model.heads`` / ``model.kv_heads`` (attention and KV heads, when the
+    graph knows them): a heads split with tp > kv_heads replicates KV heads."""
+    heads, kv = (int(g.config.get(k, 0) or 0) for k in ("heads", "kv_heads"))
+    return {"heads": heads, "kv_heads": kv or heads} if heads else {}
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; any problem is an :class:`InputError` naming it."""
     path = Path(path)
@@ -234,11 +257,12 @@ def load_plan(path: str | Path) -> Plan:
     if not isinstance(data, dict):
         raise InputError(f"{path}: a plan must be a JSON object")
     ver = data.get("schema_version")
-    if ver != SCHEMA_VERSION:
+    if isinstance(ver, bool) or ver not in READABLE_SCHEMAS:
         raise InputError(f"{path}: plan schema_version {ver!r} is not supported "
-                         f"(this shardc reads schema_version {SCHEMA_VERSION})")
+                         f"(this shardc reads schema_version "
+                         f"{' and '.join(map(str, READABLE_SCHEMAS))})")
     validate_plan_dict(data, str(path))
-    return Plan(**{k: data[k] for k in _KEYS})
+    return Plan(**{k: data[k] for k in _KEYS}, serving=dict(data.get("serving") or {}))
 
 
 def validate_plan_dict(data: dict, where: str = "plan") -> None:
@@ -259,11 +283,16 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
         Mesh(m["gpus_per_node"], m["nodes"])
         section = "workload"
         Workload(phase=w["phase"], batch=w["batch"], context=w["context"], prompt=w["prompt"],
-                 tpot_slo_ms=w["tpot_slo_ms"], ttft_slo_ms=w["ttft_slo_ms"])
+                 tpot_slo_ms=w["tpot_slo_ms"], ttft_slo_ms=w["ttft_slo_ms"],
+                 weights=w.get("weights", "bf16"), kv_cache=w.get("kv_cache", "bf16"),
+                 **{k: w[k] for k in ("isl", "osl", "mode") if k in w})
     except InputError as e:
         raise InputError(f"{where}: {section}: {e}") from None
     gpus = m["gpus_per_node"] * m["nodes"]
-    if deg.world != gpus:
+    serving = data.get("serving") or {}
+    if serving:
+        _check_serving(serving, deg, gpus, where)
+    if deg.world != gpus and not (serving.get("mode") == "disagg" and deg.world <= gpus):
         raise InputError(f"{where}: degrees tp*pp*ep*dp = {deg.world} but the mesh "
                          f"{m['gpus_per_node']}x{m['nodes']} has {gpus} GPUs")
     shape, names = deg.logical_mesh()
@@ -288,6 +317,26 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
                              f"placements for {n_dims} mesh dims {data['spmd_dims']}")
     _check_placements(data, deg, where)
     _check_layers(data, deg, where)
+
+
+def _check_serving(serving: dict, deg: Degrees, gpus: int, where: str) -> None:
+    """The pools fit the mesh, their degrees multiply to their workers' GPUs, and the
+    top-level degrees are the last pool's (mixed, or decode when disaggregated)."""
+    used = 0
+    for p in serving["pools"]:
+        d = p["degrees"]
+        per_worker = d["tp"] * d["ep"] * d["pp"]
+        if per_worker != p["gpus_per_worker"] or d["dp"] != p["workers"]:
+            raise InputError(f"{where}: serving: pool {p['role']!r} has tp*ep*pp = {per_worker} "
+                             f"and dp = {d['dp']} for {p['workers']} workers of "
+                             f"{p['gpus_per_worker']} GPUs")
+        used += p["workers"] * p["gpus_per_worker"]
+    if used > gpus:
+        raise InputError(f"{where}: serving: the pools use {used} GPUs; the mesh has {gpus}")
+    last = serving["pools"][-1]["degrees"]
+    if any(last[k] != getattr(deg, k) for k in ("tp", "ep", "pp", "dp")):
+        raise InputError(f"{where}: serving: the top-level degrees are not those of the "
+                         f"{serving['pools'][-1]['role']} pool")
 
 
 def _shard_dim(spelling: str) -> int | None:

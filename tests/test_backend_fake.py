@@ -172,7 +172,8 @@ def _expected_records(graph, strategy, mesh: str, kind: str, modules_per_op: dic
             n = modules_per_op.get(seq[seq.index(before) - 1], 1)
         elif before == "<end>" and seq:
             n = modules_per_op.get(seq[-1], 1)
-        assert before in ops or before in ("<end>", "dispatch", "combine")
+        assert before in ops or before in ("<end>", "dispatch", "combine", "before dispatch",
+                                           "after combine")
         out.append((coll, dim, nbytes, n))
     return out
 

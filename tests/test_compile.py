@@ -14,7 +14,8 @@ from shardc.commands.reports import write_outputs
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LLAMA = str(ROOT / "examples" / "tiny_llama.py")
 TINY_MIXTRAL = str(ROOT / "examples" / "tiny_mixtral.py")
-OUTPUTS = ("plan.json", "parallelize.py", "graph.txt", "graph.dot", "trace.json", "search.png")
+OUTPUTS = ("plan.json", "parallelize.py", "graph.txt", "graph.dot", "trace.json", "search.png",
+           "launch")  # launch/ holds vllm_mixed.sh, sglang_mixed.sh (docs/deploy.md)
 
 
 def _strip_wall(d):

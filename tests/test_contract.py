@@ -110,7 +110,9 @@ def test_walk_invariants_for_every_choice_combination(branch, residual):
 
 def test_legality_rules():
     qkv_col, out_row = op_choice("qkv", 0), op_choice("out_proj", 1)
-    assert legal(qkv_col, 8, 8192, 10240, 64, 8) and not legal(qkv_col, 16, 8192, 10240, 64, 8)
+    assert legal(qkv_col, 8, 8192, 10240, 64, 8) and legal(qkv_col, 16, 8192, 10240, 64, 8)
+    assert not legal(qkv_col, 16, 8192, 10240, 64, 8, replicate_kv_heads=False)
+    assert not legal(qkv_col, 12, 8192, 10240, 96, 8)  # 8 KV heads do not divide 12
     assert legal(out_row, 8, 8192, 8192, 64, 8) and not legal(out_row, 3, 8192, 8192, 64, 8)
     assert legal(op_choice("ffn1", 0), 8, 8192, 28672, 64, 8)
     assert not legal(op_choice("ffn1", 1), 3, 8192, 28672, 64, 8)

@@ -139,7 +139,8 @@ def test_unsharded_giant_is_infeasible_for_memory():
 
 def test_reason_codes_and_text():
     g, m, w, space, cm = case("gpt_moe_1p6t", (8, 128), context=16384)
-    ev = cm.evaluate(random_actions(space, 500, seed=3), space)
+    # 2000 draws: decode offers sp too (half the draws need tokens divisible by tp)
+    ev = cm.evaluate(random_actions(space, 2000, seed=3), space)
     assert set(np.unique(ev.reason)) >= {OK, NO_MEMORY}
     assert all(cm.reason_text(r) for r in range(7))
     assert (ev.feasible == (ev.reason == OK)).all()

@@ -72,7 +72,7 @@ def test_unfixed_search_can_leave_the_fixed_value():
     ("tp=3", "tp=3: not possible here"),
     ("ep=16", "ep=16: not possible here"),
     ("dp=3", "dp=3: does not divide"),
-    ("sp=on", "prefill only"),
+    ("sp=3", "sp is 1 (off) or equal to tp (on)"),
     ("tp=2,tp=4", "given twice"),
     ("xp=2", "unknown degree"),
 ])

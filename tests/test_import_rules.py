@@ -12,13 +12,13 @@ PKG = Path(__file__).resolve().parents[1] / "shardc"
 # rank of each top-level part of shardc: a part may import only parts of lower rank
 RANKS = {
     "errors": 0, "runtime": 0,
-    "text": 1, "validate": 1, "testing": 1,
+    "text": 1, "validate": 1, "testing": 1, "cache": 1,
     "ir": 2,
     "cost": 3, "search": 3,
     "passes": 4,
     "frontends": 5,
     "backends": 6,
-    "plan": 7, "driver": 7,
+    "plan": 7, "driver": 7, "serving": 7,
     "api": 8,
     "commands": 9, "cli": 9, "__init__": 9,
 }

@@ -15,12 +15,12 @@ def test_space_size_on_a_mesh_matches_hand_count(capsys):
     assert main(["inspect", TINY_LLAMA, "--mesh", "8x1", "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     space = doc["space"]
-    # tiny Llama: hidden 64, 2 layers; on 8 GPUs tp in {1,2,4,8}, ep {1}, pp {1,2}, sp {off},
-    # 13 batch sizes, and 7 op slots of 3 choices each.
+    # tiny Llama: hidden 64, 2 layers; on 8 GPUs tp in {1,2,4,8}, ep {1}, pp {1,2}, sp {off,
+    # on}, 44 batch sizes, and 7 op slots of 3 choices each.
     assert space["degrees"]["tp"] == [1, 2, 4, 8]
     assert space["degrees"]["pp"] == [1, 2]
     assert len(space["op_slots"]) == 7
-    assert space["configurations"] == 4 * 1 * 2 * 1 * 13 * 3**7
+    assert space["configurations"] == 4 * 1 * 2 * 2 * 44 * 3**7
     assert 0 < space["legal_configurations"] <= space["configurations"]
 
 

@@ -48,7 +48,7 @@ def test_roundtrip_and_contents(mixtral, tmp_path):
     back = load_plan(path)
     assert back.to_dict() == json.loads(json.dumps(plan.to_dict()))
     d = back.to_dict()
-    assert d["schema_version"] == 1
+    assert d["schema_version"] == 2
     assert d["logical_mesh"] == {"shape": [2, 2, 2], "dim_names": ["pp", "ep", "tp"]}
     assert d["spmd_dims"] == ["ep", "tp"]
     assert {n["name"] for n in d["nodes"]} == {n.name for n in graph.nodes}
@@ -67,9 +67,9 @@ def test_roundtrip_and_contents(mixtral, tmp_path):
 
 def test_refuses_other_schema_versions(mixtral, tmp_path):
     d = make_plan(mixtral[0], tp=2).to_dict()
-    d["schema_version"] = 2
+    d["schema_version"] = 3
     (tmp_path / "p.json").write_text(json.dumps(d))
-    with pytest.raises(InputError, match="schema_version 2 is not supported"):
+    with pytest.raises(InputError, match="schema_version 3 is not supported"):
         load_plan(tmp_path / "p.json")
 
 

@@ -336,7 +336,6 @@ def test_apply_plan_driver_places_like_the_plan():
 
 @pytest.mark.parametrize("degrees, choices, what", [
     ({"tp": 2, "sp": 2}, _with(DENSE, D, qkv="rep"), "qkv rep under sequence parallelism"),
-    ({"tp": 2, "pp": 2}, DENSE, "pp=2"),
     ({"tp": 4}, _with(DENSE, D, qkv="row", attn_core="batch"), "batch-split attention after qkv row"),
 ])
 def test_uncovered_plan_is_refused_naming_what(degrees, choices, what):
@@ -354,12 +353,15 @@ def test_uncovered_router_and_family_refused(tmp_path):
     plan = build(MIXTRAL, {"ep": 2, "tp": 2, "sp": 2}, _with(MOE, M, expert_ffn2="col"))
     with pytest.raises(InputError, match="experts col/col"):
         plan.code(standalone=True)
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", LLAMA, "--mesh", "4x1",
-                        "--search", "megatron", "--degrees", "tp=2,pp=2", "--standalone",
-                        "--quiet", "--out", str(tmp_path / "o")],
+    # pipeline stages outside an HF causal LM's layout (GPT-2's transformer.h)
+    gpt2 = str(ROOT / "examples" / "configs" / "gpt2" / "config.json")
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", gpt2, "--mesh", "4x1",
+                        "--search", "megatron", "--degrees", "tp=2,pp=2", "--context", "512",
+                        "--standalone", "--quiet", "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("shardc: error: --standalone: pp=2") and "Traceback" not in r.stderr
+    assert r.stderr.startswith("shardc: error: --standalone: pp=2: decoder layers under "
+                               "'transformer.h'") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 

@@ -170,7 +170,8 @@ def test_cost_model_op_choices_are_free_at_tp1(name, phase):
     acts = sampler.sample(600, rng)
     acts[:, 0] = space.values["tp"].index(1)
     acts[:, 2] = space.values["pp"].index(4)  # weights fit; batch divides the 4 micro-batches
-    acts[:, 4] = rng.integers(2, 9, size=len(acts))
+    acts[:, 4] = rng.choice([space.values["batch"].index(b) for b in (4, 8, 16, 32, 64, 128, 256)],
+                            size=len(acts))
     acts = sampler.repair(acts, rng)
     canon = megatron_ops_at_tp1(space, acts)
     assert not np.array_equal(canon, acts)

@@ -64,20 +64,20 @@ QWEN_72B = str(ROOT / "examples" / "configs" / "qwen2_5_72b" / "config.json")
 
 
 def test_infeasible_names_the_binding_constraint_not_the_commonest(capsys):
-    """Qwen2.5-72B on 6 GPUs: tp=3/6 do not divide hidden 8192, a power-of-two batch does not
-    split over pp=3/6 micro-batches, and at tp=2 / pp=2 the weights alone overflow HBM. The
-    line leads with the binding check (memory, with the shortfall) and names the others."""
-    code = main(["compile", QWEN_72B, "--mesh", "6x1", "--search", "megatron", "--quiet",
-                 "--out", "/nonexistent/never-written"])
+    """Qwen2.5-72B on 11 GPUs: tp=11 does not divide hidden 8192, no batch of the grid splits
+    over pp=11 micro-batches, and at tp=1 / pp=1 the weights alone overflow HBM. The line
+    leads with the binding check (memory, with the shortfall) and names the others."""
+    code = main(["compile", QWEN_72B, "--mesh", "11x1", "--search", "megatron", "--quiet",
+                 "--tpot-slo", "100", "--out", "/nonexistent/never-written"])
     assert code == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     head = err.split("h100): ", 1)[1]
-    assert head.startswith("weights alone need 72.7 GB/GPU at tp=2")
-    assert "70.0 GB of the 80 GB HBM is usable for them (short by 2.7 GB)" in head
-    assert "pp=3" in head and "batch does not divide evenly" in head
+    assert head.startswith("weights alone need 145.4 GB/GPU at tp=1")
+    assert "70.0 GB of the 80 GB HBM is usable for them (short by 75.4 GB)" in head
+    assert "pp=11" in head and "batch does not divide evenly" in head
     assert "--batch " in head and "feasible" in head  # a batch that unblocks a split
-    assert "tp=3, 6 cannot be used (tp must divide hidden 8192)" in head
+    assert "tp=11 cannot be used (tp must divide hidden 8192)" in head
 
 
 @pytest.mark.parametrize("phase, flag, name", [("decode", "--tpot-slo", "TPOT"),

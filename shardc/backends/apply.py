@@ -122,15 +122,25 @@ class ModelSharder:
         att = sites.attention
         steps = rt.walk("attention", layer)
         attn_need = steps[1][0]
+        repeat = 1
         if rt.tp > 1 and attn_need == "S(1)":
-            if att.heads % rt.tp or att.kv_heads % rt.tp:
+            if att.heads % rt.tp or (att.kv_heads % rt.tp and rt.tp % att.kv_heads):
                 raise ValueError(f"layer {layer}: tp={rt.tp} does not divide heads "
                                  f"{att.heads}/{att.kv_heads} for a heads split")
+            repeat = max(rt.tp // att.kv_heads, 1)  # GQA, tp > kv_heads: KV heads repeated
+            if repeat > 1 and (att.fused > 1 or any(
+                    m.weight.numel() != att.module.head_dim for m, _ in att.qk_norms)):
+                raise ValueError(f"layer {layer}: a heads split at tp={rt.tp} over "
+                                 f"{att.kv_heads} KV heads (KV heads replicated) with a packed "
+                                 "q|k|v or a q/k norm over the whole projection is not supported")
         if att.mla:
             shard_mla(rt, att, layer)
             return
         for mod, pre in att.qkv + [att.out] + att.qk_norms:
-            rt.place_module_params(mod, pre)
+            rt.place_module_params(mod, pre, att.kv_heads)
+        if repeat > 1 and steps[0][1] != "S(1)":  # qkv not column split: repeat activations
+            for mod, _ in att.qkv[1:]:
+                rt.kv_expand[id(mod)] = (att.kv_heads, repeat)
         rt.hook_chain([[m for m, _ in att.qkv], [], [att.out[0]]], steps, rt.residual,
                       unfuse=[att.fused, 1, 1])
         install_attention(att, self.adapter.family, self.rt)

@@ -77,7 +77,8 @@ def qk_norm(norm, x: torch.Tensor, rt=None) -> torch.Tensor:
     """RMSNorm ``norm`` (replicated weight) over the last dim of ``x``. When ``x`` holds a
     tp slice of the normalised features (OLMoE's norm over the whole q / k projection under
     a heads split) the sum of squares is all-reduced over tp and this rank's slice of the
-    weight is used: one [tokens, 1] all-reduce per norm, not charged by the cost model."""
+    weight is used: one [tokens, 1] all-reduce per norm (charged by the cost model:
+    ``shardc.cost.layer_costs.qk_norm_all_reduce``)."""
     w = norm.weight.to_local() if hasattr(norm.weight, "to_local") else norm.weight
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     dtype, h, n = x.dtype, x.float(), w.shape[0]

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
+from shardc.backends.pipeline_styles import stage_emit
 from shardc.backends.torch_styles import style_plan
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
@@ -36,7 +37,7 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
 _RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "FullWidthNormParallel",
                   "HeadParallelAttention", "PrepareHiddenStates", "ReplicateParallel",
                   "RouterParallel", "WeightColwiseParallel", "WeightRowwiseParallel",
-                  "decoder_layers", "install_batch_split", "submesh")
+                  "decoder_layers", "install_batch_split", "keep_stage", "pipeline", "submesh")
 _STANDALONE_NOTE = ("\n\nStandalone: imports only torch; shardc's few ParallelStyles (what torch "
                     "lacks) are\ninlined below, ahead of the plan.")
 
@@ -58,13 +59,14 @@ def _import_block(straight: set[str], froms: dict[str, set[str]]) -> str:
     return "\n".join(lines)
 
 
-def _runtime_sources(straight: set[str], froms: dict[str, set[str]]) -> str:
+def _runtime_sources(straight: set[str], froms: dict[str, set[str]], pipeline: bool = False) -> str:
     """The runtime modules' code without docstrings and imports (collected into
-    ``straight`` / ``froms``), in :data:`shardc.runtime.SOURCES` order."""
-    from shardc.runtime import SOURCES
+    ``straight`` / ``froms``), in :data:`shardc.runtime.SOURCES` order (then
+    :data:`~shardc.runtime.PIPELINE_SOURCES` when ``pipeline``)."""
+    from shardc.runtime import PIPELINE_SOURCES, SOURCES
 
     parts = []
-    for name in SOURCES:
+    for name in SOURCES + (PIPELINE_SOURCES if pipeline else ()):
         src = (RUNTIME_DIR / name).read_text()
         lines = src.splitlines()
         drop = set()
@@ -96,6 +98,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     Raises :class:`shardc.backends.torch_styles.NotCovered` naming what the torch-style
     runtime does not cover yet."""
     sp = style_plan(plan)
+    pipe = stage_emit(plan, sp) if plan.strategy().degrees.pp > 1 else None
     kinds = plan.layer_kind_map()
     shape = tuple(int(s) for s in plan.logical_mesh["shape"])
     dim_names = tuple(str(n) for n in plan.logical_mesh["dim_names"])
@@ -105,6 +108,11 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             '        device = "cuda" if torch.cuda.is_available() else "cpu"',
             "        world_mesh = init_device_mesh(device, MESH_SHAPE, "
             "mesh_dim_names=MESH_DIM_NAMES)"]
+    if pipe:  # this rank keeps its pipeline stage only
+        body[1] = ('    """Keep this rank\'s pipeline stage of ``model``, place its parameters '
+                   'per the plan;\n    returns the pipeline to call (logits on the last stage, '
+                   'None on the others)."""')
+        body += pipe.prologue()
     if sp.tp > 1:
         body.append("    tp_mesh = submesh(world_mesh, ('tp',))")
     if sp.expert_mesh:
@@ -117,7 +125,8 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         if not kp.entries and kp.experts is None:
             body.append(_comment("  nothing to shard over tp: weights stay whole"))
             continue
-        body.append(f"    for i in LAYER_KINDS[{_literal(kp.kind)}]:")
+        body.append(pipe.layer_loop(kp.kind) if pipe else
+                    f"    for i in LAYER_KINDS[{_literal(kp.kind)}]:")
         if kp.entries:
             body.append("        parallelize_module(layers[i], tp_mesh, {")
             body += _plan_dict(kp.entries, 8)
@@ -127,10 +136,14 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             body.append(f"        parallelize_module(layers[i].get_submodule("
                         f"{_literal(kp.experts.suffix)}), expert_mesh, {kp.experts.style}, "
                         "src_data_rank=None)")
-    if sp.model_entries:
-        body.append("    parallelize_module(model, tp_mesh, {")
-        body += _plan_dict(sp.model_entries, 4)
-        body.append("    }, src_data_rank=None)")
+    for head, entries in (pipe.model_blocks(sp.model_entries) if pipe else
+                          [("", sp.model_entries)] if sp.model_entries else []):
+        pad = "    " * (1 + bool(head))
+        body += [head] if head else []
+        body.append(f"{pad}parallelize_module(model, tp_mesh, {{")
+        body += _plan_dict(entries, len(pad))
+        body.append(f"{pad}}}, src_data_rank=None)")
+    body += pipe.runner() if pipe else []
     body.append(_comment("dp x ep: each rank serves its slice of the batch (flattened mesh); "
                          "logits all-gathered"))
     if plan.strategy().degrees.sp > 1:
@@ -147,7 +160,8 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
                       f"DEGREES = {_literal(st.degrees.as_dict())}",
                       f"BATCH = {_literal(int(st.batch))}",
                       f"LAYER_KINDS = {_literal(_ranges(kinds))}",
-                      f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"])
+                      f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"]
+                     + ([pipe.data()] if pipe else []))
     used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if re.search(rf"\b{n}\(", code_text)}
     straight: set[str] = {"torch"}
     froms: dict[str, set[str]] = {"torch.distributed.device_mesh": {"init_device_mesh"}}
@@ -155,7 +169,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     if inline:
         for n in used & set(_TORCH_NAMES):
             froms.setdefault(_TORCH_NAMES[n], set()).add(n)
-        runtime = "\n\n" + _runtime_sources(straight, froms)
+        runtime = "\n\n" + _runtime_sources(straight, froms, pipeline=pipe is not None)
     else:  # torch's styles and placements too, re-exported by shardc.runtime: one import
         froms["shardc.runtime"] = used
     third = {m: ns for m, ns in froms.items() if not m.startswith("shardc")}

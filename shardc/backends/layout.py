@@ -123,6 +123,53 @@ def param_placements(fqn: str, ndim: int, strategy: Strategy,
     return out
 
 
+_KV_PROJ = re.compile(r"self_attn\.[kv]_proj\.(weight|bias)$")
+
+
+def kv_head_repeat(fqn: str, strategy: Strategy, kind_of_layer: dict[int, str],
+                   kv_heads: int) -> int:
+    """:func:`kv_repeat` of the parameter ``fqn`` told by its name (the first runtime, which
+    has no graph: ``self_attn.k_proj`` / ``v_proj``)."""
+    return kv_repeat(bool(_KV_PROJ.search(fqn)), layer_of(fqn), strategy, kind_of_layer,
+                     kv_heads)
+
+
+def kv_repeat(is_kv: bool, layer: int | None, strategy: Strategy,
+              kind_of_layer: dict[int, str], kv_heads: int) -> int:
+    """How many times each KV head of a k / v projection (``is_kv``) of decoder layer
+    ``layer`` is repeated before its tp split: ``tp / kv_heads`` for GQA with tp > kv_heads
+    when the layer's qkv is column split (``col``) into attention split by heads -- each rank
+    then holds the one KV head its query heads read
+    (:func:`shardc.ir.contract.kv_head_replicas`, as vLLM places it; the runtime places the
+    repeated ``[kv_heads x repeat x head_dim, ...]`` tensor, so the local shape is one KV
+    head) --, else 1."""
+    tp = strategy.degrees.tp
+    if not is_kv or not kv_heads or tp <= kv_heads or tp % kv_heads:
+        return 1
+    kind = kind_of_layer.get(layer)
+    heads_split = op_choice(strategy, "attn_core", kind) == 0
+    return tp // kv_heads if heads_split and op_choice(strategy, "qkv", kind) == 0 else 1
+
+
+def kv_projections(graph, uses: dict) -> dict[str, int]:
+    """FQN -> the layer's KV heads, for the separate k / v projection parameters (weights and
+    biases) of GQA attention, from the IR: a ``qkv`` parameter not packed (no ``parts``) whose
+    output features are its layer's ``kv_heads x head_dim`` (its layer kind's ``attn_core``
+    attributes), fewer than the query heads'."""
+    cores = {i: k.op("attn_core").attrs for k in graph.layer_kinds
+             if k.op("attn_core") is not None for i in k.layers}
+    out: dict[str, int] = {}
+    for p in graph.params:
+        u = uses.get(p.fqn)
+        a = cores.get(u.layer) if u is not None else None
+        if a is None or u.op != "qkv" or u.parts or u.split_dims[0] is None:
+            continue
+        heads, kv, head_dim = (int(a.get(k, 0) or 0) for k in ("heads", "kv_heads", "head_dim"))
+        if 0 < kv < heads and int(p.shape[u.split_dims[0]]) == kv * head_dim:
+            out[p.fqn] = kv
+    return out
+
+
 def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> list[int]:
     """Per-rank shape of a tensor of global ``shape`` under ``placements`` (SPMD dims)."""
     out = list(shape)
@@ -185,11 +232,13 @@ def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list
     """plan.json ``params``: per parameter of ``graph`` {fqn, shape, placements, local_shape,
     stage} and the fused op it belongs to, from the graph
     (:func:`shardc.ir.param_roles.param_uses`: ``op``, ``layer``, ``split_dims``, and
-    ``expert_dim`` / ``parts`` where they apply)."""
+    ``expert_dim`` / ``parts`` where they apply). The local shape of a k / v projection whose
+    KV heads are replicated (GQA, tp > kv_heads: :func:`kv_repeat`) is one KV head's."""
     from shardc.ir.param_roles import param_uses, read_before_layers
     from shardc.ir.strategy import pipeline_stages
 
     uses = param_uses(graph)
+    kv_projs = kv_projections(graph, uses)
     first = read_before_layers(graph)
     num_layers = len(kind_of_layer)
     stages = pipeline_stages(num_layers, strategy.degrees.pp) if num_layers else []
@@ -206,7 +255,12 @@ def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list
             stage = 0
         else:  # final norm, lm_head
             stage = strategy.degrees.pp - 1
+        repeat = kv_repeat(p.fqn in kv_projs, layer, strategy, kind_of_layer,
+                           kv_projs.get(p.fqn, 0))
+        placed = list(shape)
+        if repeat > 1:  # the runtime places the repeated KV heads (out features)
+            placed[use["split_dims"][0]] *= repeat
         rows.append({"fqn": p.fqn, "shape": shape, "placements": pl,
-                     "local_shape": local_shape(shape, pl, strategy.degrees),
+                     "local_shape": local_shape(placed, pl, strategy.degrees),
                      "stage": stage, **use})
     return rows

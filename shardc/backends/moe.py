@@ -65,13 +65,15 @@ def shard_moe(rt: ShardingRuntime, site: MoESite, layer: int) -> None:
             buf = recv.view(ep, e_loc, -1, h).transpose(0, 1).reshape(e_loc, -1, h)
         else:
             buf = send
-        out = _experts(rt, site, buf, expert_steps)  # [E_local, ep_src * C, h]
+        out, partial = _experts(rt, site, buf, expert_steps)  # [E_local, ep_src * C, h]
         if ep > 1:
             e_loc = out.shape[0]
             back = out.view(e_loc, ep, -1, h).transpose(0, 1).reshape(ep * e_loc, -1, h)
             out = _all_to_all(back, ep_group)  # [E, C, h] in expert order
         pairs = out.reshape(-1, h)[slot].view(b * s, site.top_k, h)
         y = (pairs * top_w.unsqueeze(-1).to(pairs.dtype)).sum(dim=1)
+        if partial:  # tp partial sums all-reduced once per token, after the top-k sum
+            y = rt.local(rt.redist(rt.wrap(y, "P"), rt.residual))
         y = y.to(x.dtype).view(b, s, h)
         if site.shared is not None:
             y = y + site.shared[2](x)
@@ -165,9 +167,13 @@ def sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.T
     return torch.cat((w1, w2), dim=-1), torch.cat((i1, i2), dim=-1)
 
 
-def _experts(rt: ShardingRuntime, site: MoESite, buf: torch.Tensor, steps) -> torch.Tensor:
-    """expert_ffn1 -> activation -> expert_ffn2 over an expert buffer [E_local, N, hidden]."""
-    (need1, _, after1), (need2, _, after2) = steps
+def _experts(rt: ShardingRuntime, site: MoESite, buf: torch.Tensor, steps
+             ) -> tuple[torch.Tensor, bool]:
+    """expert_ffn1 -> activation -> expert_ffn2 over an expert buffer [E_local, N, hidden];
+    returns it and whether it holds tp partial sums still to be all-reduced (a row-parallel
+    expert_ffn2 under a replicated residual: reduced after the weighted top-k sum, on T
+    rows instead of T x top_k)."""
+    (need1, _, after1), (need2, produced2, after2) = steps
     w1 = getattr(site.experts, site.w1)
     w2 = getattr(site.experts, site.w2)
     if site.transposed:
@@ -182,4 +188,6 @@ def _experts(rt: ShardingRuntime, site: MoESite, buf: torch.Tensor, steps) -> to
     else:
         hid = site.act(hid)
     y = rt.redist(rt.wrap(hid, after1, "expert"), need2, "expert")
-    return rt.local(rt.redist(torch.bmm(y, w2), after2, "expert"))
+    if rt.tp > 1 and produced2 == "P" and after2 == "R":
+        return rt.local(torch.bmm(y, w2)), True
+    return rt.local(rt.redist(torch.bmm(y, w2), after2, "expert")), False

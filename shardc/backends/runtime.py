@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from shardc.backends.layout import param_placements, param_role, spmd_dims
+from shardc.backends.layout import kv_head_repeat, param_placements, param_role, spmd_dims
 from shardc.ir.contract import BRANCHES, walk
 from shardc.ir.strategy import Strategy, residual_placement
 
@@ -42,6 +42,13 @@ def interleave(t: torch.Tensor, dim: int, parts: int, n: int) -> torch.Tensor:
     a contiguous n-way split then gives every rank its matching slice of every part."""
     c = t.shape[dim] // (parts * n)
     return t.unflatten(dim, (parts, n, c)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def repeat_heads(t: torch.Tensor, dim: int, heads: int, repeat: int) -> torch.Tensor:
+    """``dim`` = [head0 | head1 | ...] (``heads`` equal parts) -> each head ``repeat`` times
+    in a row: a tp split of the result gives every rank the KV head its query heads read."""
+    d = dim % t.dim()
+    return t.unflatten(d, (heads, -1)).repeat_interleave(repeat, dim=d).flatten(d, d + 1)
 
 
 def deinterleave(t: torch.Tensor, parts: int, n: int) -> torch.Tensor:
@@ -70,6 +77,10 @@ class ShardingRuntime:
             self.mesh = world_mesh if tuple(world_mesh.mesh_dim_names) == tuple(self.dims) \
                 else world_mesh[tuple(self.dims) if len(self.dims) > 1 else self.dims[0]]
         self.placed: dict[str, list[str]] = {}
+        # id(k / v module) -> (kv_heads, repeat): its output is made whole, each KV head
+        # repeated, then split over tp (a heads split with tp > kv_heads after a qkv that is
+        # not column split; with a column split the weights are repeated instead)
+        self.kv_expand: dict[int, tuple[int, int]] = {}
         self.padding_mask: torch.Tensor | None = None  # this forward's [rows, seq] 0/1 mask
 
     # ------------------------------------------------------------------ placements
@@ -108,13 +119,18 @@ class ShardingRuntime:
         return x.to_local() if isinstance(x, DTensor) else x
 
     # ------------------------------------------------------------------ parameters
-    def place_param(self, module: nn.Module, name: str, fqn: str) -> None:
-        """Replace ``module.<name>`` by a DTensor parameter with the plan's placements."""
+    def place_param(self, module: nn.Module, name: str, fqn: str, kv_heads: int = 0) -> None:
+        """Replace ``module.<name>`` by a DTensor parameter with the plan's placements
+        (``kv_heads``: the attention's KV heads, for k / v projections whose heads are
+        repeated before the tp split, :func:`shardc.backends.layout.kv_head_repeat`)."""
         p = getattr(module, name)
         full = p.detach()
         role = param_role(fqn)
         if role is not None and role.fused > 1 and self.tp > 1:
             full = interleave(full, role.dims[0], role.fused, self.tp)
+        repeat = kv_head_repeat(fqn, self.strategy, self.kind_of_layer, kv_heads)
+        if repeat > 1:
+            full = repeat_heads(full, 0, kv_heads, repeat)
         spelled = param_placements(fqn, full.ndim, self.strategy, self.kind_of_layer)
         self.placed[fqn] = spelled
         if self.mesh is None:
@@ -131,9 +147,9 @@ class ShardingRuntime:
                                 shape=full.shape, stride=full.contiguous().stride())
         module.register_parameter(name, nn.Parameter(dt, requires_grad=False))
 
-    def place_module_params(self, module: nn.Module, prefix: str) -> None:
+    def place_module_params(self, module: nn.Module, prefix: str, kv_heads: int = 0) -> None:
         for name, _ in list(module.named_parameters(recurse=False)):
-            self.place_param(module, name, f"{prefix}.{name}" if prefix else name)
+            self.place_param(module, name, f"{prefix}.{name}" if prefix else name, kv_heads)
 
     # ------------------------------------------------------------------ hooks
     def choice(self, op: str, layer: int | None) -> int:
@@ -165,6 +181,10 @@ class ShardingRuntime:
             return (memo[1], *args[1:]), kwargs
 
         def post(mod, args, kwargs, out):
+            kv = self.kv_expand.get(id(mod))
+            if kv is not None and after == "S(1)":  # whole -> this rank's (repeated) KV head
+                full = repeat_heads(self.local(self.redist(out, "R")), -1, *kv)
+                return full.chunk(self.tp, dim=-1)[self.mesh.get_local_rank("tp")]
             out = self.local(self.redist(out, after))
             if unfuse > 1 and self.tp > 1 and after != "S(1)":
                 out = deinterleave(out, unfuse, self.tp)

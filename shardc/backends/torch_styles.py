@@ -14,16 +14,19 @@ activation ``[batch, seq, hidden]``: ``R`` -> ``Replicate()``, ``S(1)`` -> ``Sha
 
 Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): every model the
 backend accepts (decoder layers under one module list: HF ``model.layers``, GPT-2's
-``transformer.h``, a plain model's ``layers``), pp = 1, every choice except: batch-split
+``transformer.h``, a plain model's ``layers``), every choice except: batch-split
 attention after a ``col`` / ``row`` qkv; under sequence parallelism a ``rep`` qkv before a
 heads split (the model's attention forward sizes its output from the rows it receives);
 expert pairs other than ``col``/``row`` and ``rep``/``rep``
-for experts that are not HF gated ``[E, out, in]`` or under sequence parallelism. Which
+for experts that are not HF gated ``[E, out, in]`` or under sequence parallelism; a heads
+split at tp > kv_heads (KV heads replicated). Which
 module realises which op, how its weight is stored and what it packs come from plan.json's
 params rows (``op``, ``layer``, ``split_dims``, ``parts``, ``tied``: the IR's, see
 :mod:`shardc.ir.param_roles`). A repair before a branch's first op is made once at the
 branch module (``PrepareHiddenStates`` on the attention module, ``PrepareModuleInput`` on
-the MLP / shared-experts module).
+the MLP / shared-experts module). With pp > 1 the same plans run on each pipeline stage's
+submesh (:mod:`shardc.backends.pipeline_styles`: HF causal LMs' ``model.layers`` /
+``embed_tokens`` / ``norm`` / ``lm_head`` only).
 """
 
 from __future__ import annotations
@@ -242,8 +245,6 @@ def style_plan(plan) -> StylePlan:
 
     st = plan.strategy()
     deg = st.degrees
-    if deg.pp > 1:
-        raise NotCovered(f"pp={deg.pp} (pipeline stages) is not covered yet")
     rows = rows_with_ops(plan.params)
     res = residual_placement(deg)
     tp = deg.tp
@@ -258,6 +259,11 @@ def style_plan(plan) -> StylePlan:
             return int(st.choices.get(f"{kind}.{op}", 2))
 
         kp = KindPlan(str(kind), [int(i) for i in layers], [])
+        kv_heads = int(plan.model.get("kv_heads") or 0)
+        if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0:
+            raise NotCovered(f"{kind}: attention split by heads at tp={tp} over {kv_heads} KV "
+                             f"heads (each KV head replicated over {tp // kv_heads} ranks) is "
+                             "not covered by torch's styles")
         branches = ["attention"] + (["mlp"] if "ffn1" in lm.ops else []) \
             + (["shared_experts"] if "shared_ffn1" in lm.ops else []) \
             + (["router", "experts"] if "expert_ffn1" in lm.ops else [])

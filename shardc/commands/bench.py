@@ -1,9 +1,9 @@
-"""``shardc bench --suite paper|zoo``: every searcher on every case of a suite (SPEC section 8).
+"""``shardc bench --suite paper|zoo|serve``: every searcher on every case of a suite (SPEC section 8).
 
 Cases are data (``shardc/search/suites.toml``). For each case: the graph (traced once, then
 read from the graph cache, :mod:`shardc.frontends.graph_cache`), the cost model, then
 ``rl``, ``sa``, ``rw``, ``ga`` over ``--seeds`` seeds at ``--budget`` evaluations, and the
-``megatron`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
+``megatron``, ``best_practice`` and ``exact`` sweeps once (they are deterministic). Writes ``--json`` (default
 ``benchmarks/<suite>.json``: ``{"rows": [{case, policy, seeds, mean, best, evaluations,
 wall_s}]}``, mean/best in tok/s/GPU over seeds, evaluations and wall_s per search), the
 markdown tables ``benchmarks/<suite>.md`` (notes written by hand below its ``NOTES_MARKER`` line
@@ -17,17 +17,18 @@ import sys
 import time
 from pathlib import Path
 
+from shardc.commands.compile import add_cross_node_tp_argument, add_quantisation_arguments
 from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
 
-HELP = "run the search benchmark suites (paper, zoo) and write tables under benchmarks/"
+HELP = "run the search benchmark suites (paper, zoo, serve) and write tables under benchmarks/"
 SEEDED = ("rl", "sa", "rw", "ga")
 NOTES_MARKER = "<!-- hand-written notes below this line: shardc bench keeps them -->"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--suite", required=True, help="paper or zoo (shardc/search/suites.toml)")
+    p.add_argument("--suite", required=True, help="paper, zoo or serve (shardc/search/suites.toml)")
     p.add_argument("--budget", type=int_arg(1, MAX_BUDGET, "evaluations"), default=None,
                    help="evaluations per search (default: the suite's)")
     p.add_argument("--seeds", type=int_arg(1, 10_000, "seeds"), default=None,
@@ -38,10 +39,16 @@ def add_arguments(p) -> None:
     g.add_argument("--ray", metavar="ADDRESS", default=None, help="run cases on a Ray cluster")
     p.add_argument("--json", default=None, help="rows JSON (default benchmarks/<suite>.json)")
     p.add_argument("--out", default="benchmarks", help="directory for the markdown and plot")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated subset (default all, both baselines included)")
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    from shardc.commands.compile import add_kernel_arguments
+
+    add_kernel_arguments(p)
+    add_cross_node_tp_argument(p)
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
+    add_quantisation_arguments(p, default=None)  # given: overrides every case's format
 
 
 # ------------------------------------------------------------------------------ suites
@@ -78,18 +85,27 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     """All policies on one case -> {"rows": [...], "curves": {policy: seed-0 curve}}."""
     import numpy as np
 
-    from shardc.cost import CostModel
-    from shardc.ir.space import StrategySpace
+    from shardc.cost import CostModel, load_hardware
+    from shardc.ir.space import StrategySpace, nvlink_tp_domain
     from shardc.ir.strategy import Mesh, Workload
     from shardc.search import run_search
     from shardc.search.objective import cost_model_objective
 
+    if case["phase"] == "serve":
+        from shardc.commands.bench_serve import run_serve_case
+
+        return run_serve_case(case, policies, budget, seeds, exact_limit)
     graph = cached_graph(case["model"])
     mesh = Mesh.parse(case["mesh"])
     wl = Workload(phase=case["phase"], context=int(case["context"]), prompt=int(case["prompt"]),
-                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]))
-    space = StrategySpace(graph, mesh, wl)
-    objective = cost_model_objective(CostModel(graph, mesh, case["hardware"], wl), space)
+                  tpot_slo_ms=float(case["tpot_slo_ms"]), ttft_slo_ms=float(case["ttft_slo_ms"]),
+                  weights=case.get("weights", "bf16"), kv_cache=case.get("kv_cache", "bf16"))
+    hw = load_hardware(case["hardware"])
+    domain = nvlink_tp_domain(mesh, hw.nvlink_domain, bool(case.get("allow_cross_node_tp")))
+    space = StrategySpace(graph, mesh, wl, tp_domain=domain)
+    cm = CostModel(graph, mesh, hw, wl, kernels=case.get("kernels", "silicon"),
+                   engine=case.get("engine", "vllm"))
+    objective = cost_model_objective(cm, space)
     rows, curves = [], {}
     for pol in policies:
         n = seeds if pol in SEEDED else 1
@@ -161,6 +177,12 @@ def run(args) -> int:
         cases = [c for c in cases if args.cases in c["name"]]
         if not cases:
             raise InputError(f"--cases {args.cases!r}: no case of suite {args.suite} matches")
+    for flag in ("weights", "kv_cache"):
+        if getattr(args, flag):
+            cases = [{**c, flag: getattr(args, flag)} for c in cases]
+    cases = [{**c, "kernels": args.kernels, "engine": args.engine} for c in cases]
+    if args.allow_cross_node_tp:
+        cases = [{**c, "allow_cross_node_tp": True} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad:
@@ -196,6 +218,7 @@ def run(args) -> int:
         def plot(path):
             plot_search_curve(path, {p: c for p, c in first["curves"].items() if p in SEEDED},
                               megatron=by.get("megatron", {}).get("best"),
+                              best_practice=by.get("best_practice", {}).get("best"),
                               exact=by.get("exact", {}).get("best"),
                               title=cases[0]["name"] + " (seed 0)")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from shardc.errors import InputError
-from shardc.ir.strategy import Workload, parse_degree_fields
+from shardc.ir.strategy import QUANT_FORMATS, Workload, parse_degree_fields
 from shardc.search import POLICIES
 from shardc.text import out_dir_name
 from shardc.validate import (
@@ -33,23 +33,56 @@ def add_workload_arguments(p) -> None:
     """Flags shared by compile, simulate and bench-like commands (SPEC section 3 defaults).
     Numbers are checked at parse time (:mod:`shardc.validate`): finite and in range."""
     p.add_argument("--hardware", default="h100", help=HARDWARE_HELP)
-    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill", "serve"],
+                   help="decode or prefill (one phase at a batch), or serve (requests of "
+                        "--isl/--osl tokens under both SLOs, SPEC section 11)")
     p.add_argument("--context", type=int_arg(1, MAX_TOKENS, "tokens"), default=4096,
                    help=f"KV length per decode step (tokens, at most {MAX_TOKENS:,})")
     p.add_argument("--prompt", type=int_arg(1, MAX_TOKENS, "tokens"), default=2048,
                    help=f"prompt length for prefill (tokens, at most {MAX_TOKENS:,})")
+    p.add_argument("--isl", type=int_arg(1, MAX_TOKENS, "tokens"), default=2048,
+                   help="serve: input (prompt) tokens per request")
+    p.add_argument("--osl", type=int_arg(1, MAX_TOKENS, "tokens"), default=512,
+                   help="serve: output tokens per request")
+    p.add_argument("--mode", default="auto", choices=["auto", "agg", "disagg"],
+                   help="serve: one aggregated pool, prefill + decode pools, or the better")
     p.add_argument("--batch", type=batch_arg, default=None, metavar="N|auto",
                    help=f"sequences per model replica (at most {MAX_BATCH:,}), or auto (default)")
     p.add_argument("--tpot-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=50.0,
                    help="time per output token SLO (ms; 1000000 = no SLO)")
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
+    add_quantisation_arguments(p)
+    add_kernel_arguments(p)
+
+
+def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
+    """``--weights`` / ``--kv-cache`` (:data:`shardc.ir.strategy.QUANT_FORMATS`)."""
+    p.add_argument("--weights", default=default, choices=list(QUANT_FORMATS),
+                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak")
+    p.add_argument("--kv-cache", default=default, choices=list(QUANT_FORMATS),
+                   help="KV-cache format: fp8 = 1 byte per cached element")
+
+
+def add_kernel_arguments(p) -> None:
+    """``--kernels`` / ``--engine`` (SPEC section 10): what prices the ops."""
+    from shardc.cost.silicon import DEFAULT_ENGINE, DEFAULT_KERNELS, KERNEL_CHOICES
+    from shardc.cost.silicon_tables import ENGINES
+
+    p.add_argument("--kernels", default=DEFAULT_KERNELS, choices=list(KERNEL_CHOICES),
+                   help="silicon: NVIDIA's measured kernel latencies where they cover the "
+                        "hardware (h100, h200, b200 presets), roofline elsewhere; roofline: "
+                        "the datasheet roofline everywhere")
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES),
+                   help="whose measured kernels price the ops (with --kernels silicon)")
 
 
 def workload_from_args(args) -> Workload:
     """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
-                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo)
+                    tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
+                    weights=args.weights, kv_cache=args.kv_cache, isl=args.isl,
+                    osl=args.osl, mode=args.mode)
 
 
 def add_arguments(p) -> None:
@@ -67,6 +100,13 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--standalone", action="store_true",
                    help="parallelize.py on torch's parallel API importing only torch")
+    add_cross_node_tp_argument(p)
+
+
+def add_cross_node_tp_argument(p) -> None:
+    """``--allow-cross-node-tp`` (compile, simulate, bench)."""
+    p.add_argument("--allow-cross-node-tp", action="store_true",
+                   help="let tp groups span nodes (default: tp stays inside one NVLink domain)")
 
 
 def _progress_bar(budget: int, quiet: bool):
@@ -91,10 +131,12 @@ def summary_table(plan) -> str:
 
     d = plan.degrees
     pred = plan.predicted
-    mega = (plan.baseline or {}).get("megatron") or {}
-    ratio = ""
-    if mega.get("tok_s_per_gpu"):
-        ratio = f"{pred['tok_s_per_gpu'] / mega['tok_s_per_gpu']:.3f}x"
+    ratios = baseline_ratios(plan)
+    if "megatron" in ratios:  # does the ratio survive a +-1% SLO change?
+        from shardc.cost.slo_cliff import cliff_note
+
+        note = cliff_note(((plan.baseline or {}).get("megatron") or {}).get("slo_check"))
+        ratios["megatron"] += f" ({note})" if note else ""
     deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
     rows = [
         ["degrees", f"{deg} batch={plan.workload['batch']}"],
@@ -102,12 +144,40 @@ def summary_table(plan) -> str:
         ["TPOT (ms)", number_or_dash(pred.get("tpot_ms"), ".2f")],
         ["TTFT (ms)", number_or_dash(pred.get("ttft_ms"), ".1f")],
         ["memory/GPU (GB)", number_or_dash(pred.get("memory_gb_per_gpu"), ".1f")],
-        ["vs Megatron heuristic", ratio or "-"],
+        ["vs Megatron heuristic", ratios.get("megatron", "-")],
+        ["vs best practice", ratios.get("best_practice", "-")],
+        ["kernels", str(pred.get("kernel_source") or "-")],
     ]
-    if plan.search.get("chosen_from") == "megatron" and plan.search.get("policy") != "megatron":
-        rows.append(["note", f"{plan.search['policy']} found nothing better than the Megatron "
-                             "heuristic within its budget; its plan is kept"])
+    if "stronger" in ratios:
+        rows.append([f"gain vs stronger baseline ({BASELINE_NAMES[ratios['stronger']]})",
+                     ratios[ratios["stronger"]]])
+    chosen = plan.search.get("chosen_from")
+    if chosen in BASELINE_NAMES and plan.search.get("policy") != chosen:
+        rows.append(["note", f"{plan.search['policy']} found nothing better than the "
+                             f"{BASELINE_NAMES[chosen]} baseline within its budget; its plan "
+                             "is kept"])
     return tabulate(rows, tablefmt="simple")
+
+
+BASELINE_NAMES = {"megatron": "Megatron heuristic", "best_practice": "best practice"}
+
+
+def baseline_ratios(plan) -> dict[str, str]:
+    """The plan's tok/s/GPU over each baseline's in plan.json ``baseline`` ({name: "1.234x"},
+    names of :data:`BASELINE_NAMES` with a feasible plan) and ``"stronger"``: the name of the
+    stronger baseline (the one the search's gain is claimed against; Megatron on a tie)."""
+    value = (plan.predicted or {}).get("tok_s_per_gpu")
+    out, best = {}, None
+    for name in BASELINE_NAMES:
+        base = ((plan.baseline or {}).get(name) or {}).get("tok_s_per_gpu")
+        if value is None or not base:
+            continue
+        out[name] = f"{value / base:.3f}x"
+        if best is None or base > best[1]:
+            best = (name, base)
+    if best is not None:
+        out["stronger"] = best[0]
+    return out
 
 
 def run(args) -> int:
@@ -124,11 +194,16 @@ def run(args) -> int:
         plan, outcome = api.compile_with_outcome(
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
-            degrees=fixed)
+            degrees=fixed, kernels=args.kernels, engine=args.engine,
+            allow_cross_node_tp=args.allow_cross_node_tp)
     finally:
         if bar is not None:
             bar.close()
     out = Path(args.out) if args.out else Path("shardc_out") / out_dir_name(plan.model["name"])
+    if workload.phase == "serve":
+        from shardc.commands.serve_report import write_serve_outputs
+
+        return write_serve_outputs(out, plan, outcome, args)
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
@@ -139,14 +214,34 @@ def run(args) -> int:
     }
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
         files["parallelize.py"] = plan.code(standalone=args.standalone)
+    files.update(launch_files(plan, outcome))
     written = write_outputs(out, files)
     print(summary_table(plan))
-    print(f"wrote {', '.join(p.name for p in written)} to {out}/")
+    print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
     if from_onnx:
         from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE
 
         print(ONNX_PARALLELIZE_NOTE)
     return 0
+
+
+def launch_files(plan, outcome) -> dict:
+    """``launch/{vllm,sglang}_<role>.sh`` of a single-phase plan: one pool, role
+    :func:`~shardc.backends.launch.role_for_phase` (decode -> mixed, prefill -> prefill),
+    max model length = the decode context or the prompt (tokens), memory fraction = the share
+    of HBM the cost model lets a plan fill (1 - the hardware's headroom)."""
+    from shardc.backends.launch import LaunchPool, launch_scripts, role_for_phase
+    from shardc.search import cost_model_objective
+
+    wl = plan.workload
+    pool = LaunchPool(
+        role=role_for_phase(wl["phase"]), strategy=outcome.strategy, model=plan.model["name"],
+        max_model_len=int(wl["context"] if wl["phase"] == "decode" else wl["prompt"]),
+        mem_fraction=1.0 - float(outcome.cost_model.hw.headroom),
+        kv_cache=str(wl.get("kv_cache") or "bf16"), weights=str(wl.get("weights") or "bf16"))
+    return launch_scripts(pool, outcome.space,
+                          cost_model_objective(outcome.cost_model, outcome.space),
+                          plan_value=plan.predicted.get("tok_s_per_gpu"))
 
 
 def _plot(path, outcome, plan) -> str:
@@ -158,5 +253,7 @@ def _plot(path, outcome, plan) -> str:
     title = search_title(plan.model["name"], mesh, plan.mesh["hardware"], plan.workload,
                          plan.search["policy"], plan.search["budget"])
     curves = {outcome.searched.policy: outcome.searched.curve}
+    bp = outcome.best_practice
     return plot_search_curve(path, curves, megatron=outcome.megatron.best_value,
-                             exact=outcome.exact_value, title=title)
+                             exact=outcome.exact_value, title=title,
+                             best_practice=bp.best_value if bp is not None and bp.found else None)

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mesh", default=None,
                    help="GxN: also report the size of the strategy space on this mesh")
     p.add_argument("--phase", default="decode", choices=["decode", "prefill"],
-                   help="workload phase for --mesh (prefill adds the sp choice)")
+                   help="workload phase for --mesh (its batch grid)")
 
 
 def select_nodes(graph: Graph, layer: int | None = None, op: str | None = None) -> list[Node]:
@@ -157,7 +157,7 @@ def space_summary(graph: Graph, mesh_text: str, phase: str = "decode") -> dict:
 
 
 def graph_from_plan(path: str) -> Graph:
-    """An annotated graph dump: plan.json (validated, schema_version 1) -> Graph whose nodes
+    """An annotated graph dump: plan.json (validated, schema_version 1 or 2) -> Graph whose nodes
     carry the plan's placements and redistributions."""
     from shardc.ir.graph import LayerKind
     from shardc.plan import load_plan

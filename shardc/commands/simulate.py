@@ -17,10 +17,19 @@ import numpy as np
 from tabulate import tabulate
 
 from shardc.backends.atomic import write_file_atomic
-from shardc.commands.compile import add_workload_arguments, workload_from_args
+from shardc.commands.compile import (
+    add_cross_node_tp_argument,
+    add_workload_arguments,
+    workload_from_args,
+)
 from shardc.errors import InfeasibleError, InputError
 from shardc.ir.contract import CHOICE_NAMES
-from shardc.ir.space import StrategySpace, megatron_op_choices
+from shardc.ir.space import (
+    StrategySpace,
+    cross_node_tp_note,
+    megatron_op_choices,
+    nvlink_tp_domain,
+)
 from shardc.ir.strategy import Degrees, Mesh, Strategy
 from shardc.validate import dumps_strict_json
 
@@ -35,6 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--choices", default="megatron",
                    help="megatron|rep[,SLOT=NAME...] per-op choices (default megatron)")
     p.add_argument("--json", default=None, help="write model, degrees, predicted to FILE")
+    add_cross_node_tp_argument(p)
 
 
 def parse_choices(text: str, space: StrategySpace, tp_idx: int) -> dict[str, int]:
@@ -103,6 +113,7 @@ def report(ex) -> str:
          f"(weights {mem['weights_gb']:.2f}, KV {mem['kv_cache_gb']:.2f}, "
          f"act {mem['activations_gb']:.2f}, workspace {mem['workspace_gb']:.1f})"],
         ["feasible", "yes" if ex.feasible else f"no: {ex.reason}"],
+        ["kernels", str(p.get("kernel_source") or "-")],
     ]
     out.append(tabulate(summary, tablefmt="simple"))
     return "\n".join(out)
@@ -118,14 +129,27 @@ def run(args) -> int:
     workload = workload_from_args(args)
     hw = load_hardware(args.hardware)
     deg = _degrees(args.degrees, mesh)
-    if deg.sp > 1 and workload.phase != "prefill":
-        raise InputError("--degrees sp: sequence parallel is only modelled in prefill")
     graph = load_model_graph(args.model)
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
-    cm = CostModel(graph, mesh, hw, workload)
-    space = StrategySpace(graph, mesh, workload)
+    domain = nvlink_tp_domain(mesh, hw.nvlink_domain, args.allow_cross_node_tp)
+    if domain is not None and domain % deg.tp:
+        raise InputError(f"--degrees tp={deg.tp}: {cross_node_tp_note(domain)}")
+    kernel_options = {"kernels": args.kernels, "engine": args.engine}
+    if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
+        from shardc.cost.serving import pool_cost_model, pool_workload
+        from shardc.serving import capped_batches, check_serve_positions
+
+        if workload.mode == "disagg":
+            raise InputError("simulate --phase serve prices one aggregated pool (--mode agg); "
+                             "price a disaggregated pool with --phase prefill or decode")
+        check_serve_positions(graph, workload)
+        cm = pool_cost_model(graph, mesh, hw, workload, "mixed", **kernel_options)
+        space = StrategySpace(graph, mesh, pool_workload(workload, "mixed"), tp_domain=domain)
+    else:
+        cm = CostModel(graph, mesh, hw, workload, **kernel_options)
+        space = StrategySpace(graph, mesh, workload, tp_domain=domain)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "
@@ -133,6 +157,9 @@ def run(args) -> int:
     tp_idx = space.values["tp"].index(deg.tp)
     choices = parse_choices(args.choices, space, tp_idx)
     batch = workload.batch
+    if workload.phase == "serve":  # --batch caps the running sequences per replica
+        space.values["batch"] = capped_batches(space.values["batch"], batch)
+        batch = None
     if batch is None:  # pick the best feasible batch candidate
         acts = np.array([space.encode(Strategy(deg, b, choices)) for b in space.values["batch"]])
         ev = cm.evaluate(acts, space)
@@ -149,9 +176,11 @@ def run(args) -> int:
                "mesh": {"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes,
                         "hardware": hw.name},
                "workload": {"phase": workload.phase, "batch": int(batch),
-                            "context": workload.context, "prompt": workload.prompt,
+                            "context": cm.workload.context, "prompt": cm.workload.prompt,
+                            "isl": workload.isl, "osl": workload.osl,
                             "tpot_slo_ms": workload.tpot_slo_ms,
-                            "ttft_slo_ms": workload.ttft_slo_ms},
+                            "ttft_slo_ms": workload.ttft_slo_ms,
+                            "weights": workload.weights, "kv_cache": workload.kv_cache},
                "degrees": deg.as_dict(), "choices": strategy.choice_names(),
                "predicted": ex.predicted}
         write_file_atomic(args.json, dumps_strict_json(doc, indent=2, sort_keys=True) + "\n",

@@ -6,25 +6,40 @@ import math
 
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.ir.graph import Graph
-from shardc.ir.strategy import Workload
+from shardc.ir.strategy import Workload, format_bytes
+from shardc.ir.windows import attended_positions, op_window
+
+
+def kv_elems_per_token(graph: Graph) -> float:
+    """KV-cache elements one token adds over all layers (unsharded)."""
+    total = 0.0
+    for k in graph.layer_kinds:
+        core = k.op("attn_core")
+        if core is not None:
+            total += k.count * float(core.attrs.get("kv_cache_elems_per_token", 0))
+    return total
 
 
 def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | None = None
                         ) -> tuple[float, float]:
     """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
-    phase's cache length: context in decode, prompt in prefill)."""
+    phase's cache length: context in decode, prompt in prefill; a sliding-window layer holds
+    at most its window), in the workload's weight and KV-cache formats."""
     db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
     params = sum(o.params for o in graph.global_ops)
-    kv_per_token = 0.0
+    length = {"decode": workload.context, "prefill": workload.prompt,
+              "serve": workload.isl + workload.osl}[workload.phase]
+    kv_per_seq = 0.0  # KV-cache elements of one sequence
     for k in graph.layer_kinds:
         params += k.count * (sum(o.params for o in k.ops)
                              + int((getattr(k, "attrs", None) or {}).get("other_params", 0) or 0))
         core = k.op("attn_core")
         if core is not None:
-            kv_per_token += k.count * float(core.attrs.get("kv_cache_elems_per_token", 0))
-    length = workload.context if workload.phase == "decode" else workload.prompt
+            held = attended_positions(length, op_window(core.attrs))
+            kv_per_seq += k.count * held * float(core.attrs.get("kv_cache_elems_per_token", 0))
     seqs = workload.batch or 1
-    return params * db, seqs * length * kv_per_token * db
+    return (params * format_bytes(workload.weights, db),
+            seqs * kv_per_seq * format_bytes(workload.kv_cache, db))
 
 
 def min_gpus_needed(graph: Graph, workload: Workload, hardware: Hardware | str) -> int:

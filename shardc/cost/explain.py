@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.collectives import COLLECTIVE_KINDS
+from shardc.cost.layer_costs import QK_NORMS
 from shardc.ir.contract import MODES, choice_name
 from shardc.ir.strategy import Strategy, stage_layer_ranges
 
@@ -57,12 +58,15 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
     segs = [(f"{kind_name}.norms", "compute", _f(nt))]
     for bname, _fops, _table, _combo, bc in brs:
         colls = {c[0]: c for c in bc.collectives}
+        _tp_repair(segs, colls, "before dispatch")
         if "dispatch" in colls and _f(colls["dispatch"][4]) > 0:
             segs.append(("ep dispatch all_to_all", "comm", _f(colls["dispatch"][4])))
         for op, _mode, oc, c_s in bc.ops:
             code = int(colls[op][1][0]) if op in colls else 0
             if _f(c_s) > 0:
                 segs.append((f"{COLLECTIVE_KINDS[code]} before {op}", "comm", _f(c_s)))
+            if op == "attn_core" and QK_NORMS in colls and _f(colls[QK_NORMS][4]) > 0:
+                segs.append(("all_reduce q/k norms", "comm", _f(colls[QK_NORMS][4])))
             segs.append((f"{kind_name}.{op}", "compute", _f(oc.time_s)))
         end = colls.get("<end>")
         if end is not None and _f(end[4]) > 0:
@@ -70,7 +74,15 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
                          _f(end[4])))
         if "combine" in colls and _f(colls["combine"][4]) > 0:
             segs.append(("ep combine all_to_all", "comm", _f(colls["combine"][4])))
+        _tp_repair(segs, colls, "after combine")
     return segs
+
+
+def _tp_repair(segs: list, colls: dict, key: str) -> None:
+    """Append the MoE exchange's tp repair ``key`` ("before dispatch" / "after combine")."""
+    if key in colls and _f(colls[key][4]) > 0:
+        segs.append((f"{COLLECTIVE_KINDS[int(colls[key][1][0])]} {key}", "comm",
+                     _f(colls[key][4])))
 
 
 def simulate(cm, strategy: Strategy) -> Breakdown:
@@ -83,7 +95,9 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     stage_t = r["stage_t"][0, :pp]
     stage_m = r["stage_m"][0, :pp]
     bott_t, bott_m = int(np.argmax(stage_t)), int(np.argmax(stage_m))
-    comp = {"ops_ms": 0.0, "tp_comm_ms": 0.0, "ep_comm_ms": 0.0, "norms_ms": 0.0}
+    # overlap_hidden_ms: communication run under compute (the presets' *_comm_overlap)
+    comp = {"ops_ms": 0.0, "tp_comm_ms": 0.0, "ep_comm_ms": 0.0, "norms_ms": 0.0,
+            "overlap_hidden_ms": 0.0}
     weights = kv = 0.0
 
     def add_branch(kind_name, bname, bc, n_t, n_m):
@@ -94,17 +108,21 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
                 layer_kind=kind_name or "global", branch=bname, op=op,
                 choice=choice_name(op, strategy.choices[slot]), mode=MODES[int(mode[0])],
                 compute_ms=_f(oc.compute_s) * 1e3, memory_ms=_f(oc.memory_s) * 1e3,
-                time_ms=_f(oc.time_s) * 1e3, comm_ms=_f(c_s) * 1e3,
+                time_ms=_f(oc.time_s) * 1e3, comm_ms=_f(c_s) * 1e3, kernel_source=oc.source,
                 weight_bytes=_f(oc.weight_bytes), kv_bytes=_f(oc.kv_bytes)))
             comp["ops_ms"] += n_t * _f(oc.time_s) * 1e3
             weights += n_m * _f(oc.weight_bytes)
             kv += n_m * _f(oc.kv_bytes)
+        serial = sum(_f(oc.time_s) for _, _, oc, _ in bc.ops)
         for before, code, dim, S, t in bc.collectives:
             ms = _f(t) * 1e3
+            serial += _f(t)
             comp[f"{dim}_comm_ms"] += n_t * ms
             if int(code[0]) and ms > 0:
                 ex.collectives.append((kind_name or "global", bname, before,
                                        COLLECTIVE_KINDS[int(code[0])], dim, _f(S), ms))
+        hidden = serial - _f(bc.time_s)  # 0 up to rounding when nothing overlaps
+        comp["overlap_hidden_ms"] += n_t * (hidden if hidden > 1e-9 * serial else 0.0) * 1e3
 
     for ki, (k, brs, nt) in enumerate(r["kinds"]):
         comp["norms_ms"] += counts[bott_t, ki] * _f(nt) * 1e3
@@ -132,12 +150,41 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     breakdown = dict(ex.totals)
     breakdown.update(stage_ms=ex.stage_ms, memory=ex.memory, feasible=ex.feasible,
                      reason=ex.reason, hardware=cm.hw.name, phase=cm.workload.phase)
+    breakdown["kernel_tables"] = (dict(cm.kernels.versions) if cm.kernels is not None else {})
+    breakdown["ops"] = [  # per fused op, one layer, one micro-batch: what priced it
+        {"op": r["op"] if r["layer_kind"] == "global" else f"{r['layer_kind']}.{r['op']}",
+         "time_ms": r["time_ms"], "kernel_source": r["kernel_source"]} for r in ex.ops]
     ex.predicted = dict(tok_s_per_gpu=_finite_or_none(float(ev.tok_s_per_gpu[0])),
                         tpot_ms=_finite_or_none(float(ev.tpot_ms[0])),
                         ttft_ms=_finite_or_none(float(ev.ttft_ms[0])),
                         memory_gb_per_gpu=_finite_or_none(float(ev.memory_gb_per_gpu[0])),
-                        breakdown=breakdown)
+                        breakdown=breakdown, kernel_source=cm.kernel_source,
+                        kernel_fallbacks=kernel_fallbacks(cm, r["b"]))
     return ex
+
+
+def kernel_fallbacks(cm, b) -> list[dict]:
+    """What the roofline priced although measured kernels were asked for, once per (op,
+    shape): ``[{op, shape, source, reason}]`` (empty under ``--kernels roofline``)."""
+    if cm.kernel_source == "roofline":
+        if cm.kernel_reason == "--kernels roofline":
+            return []
+        return [{"op": "all", "shape": "", "source": "roofline", "reason": cm.kernel_reason}]
+    out = list(b.fallbacks) + [{
+        "op": "embedding, norms, residual adds, pipeline send/recv", "shape": "",
+        "source": "roofline", "reason": "no measured table for these kernels"}]
+    if float(np.asarray(b.ep).reshape(-1)[0]) > 1:
+        out.append({"op": "ep dispatch/combine all_to_all", "shape": "",
+                    "source": "deepep-model",
+                    "reason": "expert all-to-all is priced by shardc's DeepEP model "
+                              "(shardc.cost.moe_dispatch), not a measured table"})
+    seen, unique = set(), []
+    for row in out:
+        key = (row["op"], row["shape"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    return unique
 
 
 def chrome_trace(cm, strategy: Strategy) -> dict:

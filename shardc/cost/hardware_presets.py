@@ -27,6 +27,7 @@ MAX_FIELD_VALUE = 1e15  # any numeric field, in its own unit: far above any real
 _ZERO_OK = ("headroom", "workspace_gb", "a2a_peer_us", "kernel_overhead_us",
             "collective_base_us", "nvlink_hop_us", "net_hop_us")
 _FRACTIONS = ("gemm_eff", "attention_eff", "hbm_eff", "nvlink_eff", "nic_eff")
+_OVERLAPS = ("tp_comm_overlap", "ep_comm_overlap")  # fractions in [0, 1], optional
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Hardware:
     headroom: float
     workspace_gb: float
     description: str = ""
+    # fraction of a branch's tp collectives / ep all-to-alls hidden under its compute
+    # (comm/GEMM overlap for tp, two-batch overlap for ep); optional, 0 = serial
+    tp_comm_overlap: float = 0.0
+    ep_comm_overlap: float = 0.0
 
     # ---- derived, in SI units ------------------------------------------------------
     def peak_flops(self, fp8: bool = False) -> float:
@@ -88,7 +93,7 @@ class Hardware:
 
 
 _FIELDS = {f.name: f for f in fields(Hardware)}
-_REQUIRED = [f.name for f in fields(Hardware) if f.name not in ("description",)]
+_REQUIRED = [f.name for f in fields(Hardware) if f.name not in ("description", *_OVERLAPS)]
 
 
 def preset_names() -> list[str]:
@@ -161,6 +166,9 @@ def load_hardware(name_or_path: str | Hardware) -> Hardware:
             raise InputError(f"{what} = {v!r} is not a number")
         if k == "nvlink_domain":
             kw[k] = check_number(v, what, integer=True, minimum=1, maximum=MAX_GPUS, unit="GPUs")
+        elif k in _OVERLAPS:
+            kw[k] = check_number(v, what, minimum=0, maximum=1.0,
+                                 unit="a fraction of the communication time")
         elif k in _FRACTIONS:
             kw[k] = check_number(v, what, above=0, maximum=1.0, unit="a fraction of peak")
         elif k == "headroom":

@@ -20,7 +20,13 @@ import numpy as np
 
 from shardc.cost.capacity import gpus_short_message
 from shardc.cost.model import BAD_BATCH, NO_MEMORY, OK, TPOT_SLO, TTFT_SLO, CostModel, reason_text
-from shardc.ir.space import DEGREE_COMPONENTS, MAX_TP, StrategySpace, megatron_op_choices
+from shardc.ir.space import (
+    DEGREE_COMPONENTS,
+    MAX_TP,
+    StrategySpace,
+    cross_node_tp_note,
+    megatron_op_choices,
+)
 
 MAX_SPLITS_NAMED = 6  # splits listed per earlier-failing check before "and N more"
 
@@ -78,8 +84,10 @@ def rejection_detail(cost_model, strategy) -> str:
     return f"{reason_text(code)} at {_split(strategy)}"
 
 
-def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None) -> str:
-    """``--batch N`` that makes one of the batch-blocked splits feasible (the best one), or ""."""
+def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None,
+                         kernel_options=None, tp_domain: int | None = None) -> str:
+    """``--batch N`` that makes one of the batch-blocked splits feasible (the best one), or ""
+    (priced like the search: ``kernel_options`` of its cost model)."""
     if workload.batch is not None:
         return ""
     best = None
@@ -87,11 +95,11 @@ def _batch_that_unblocks(graph, mesh, hardware, workload, blocked, fixed=None) -
                         else s.degrees.ep for s in blocked}):
         for mult in (1, 2, 4, 8, 16, 32, 64):
             wl = replace(workload, batch=need * mult)
-            space = StrategySpace(graph, mesh, wl, fixed=dict(fixed or {}))
+            space = StrategySpace(graph, mesh, wl, fixed=dict(fixed or {}), tp_domain=tp_domain)
             acts = _candidate_actions(space)
             if not len(acts):
                 continue
-            ev = CostModel(graph, mesh, hardware, wl).evaluate(acts, space)
+            ev = CostModel(graph, mesh, hardware, wl, **(kernel_options or {})).evaluate(acts, space)
             if ev.feasible.any():
                 i = int(np.argmax(np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)))
                 if best is None or ev.tok_s_per_gpu[i] > best[0]:
@@ -113,8 +121,14 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
     hidden = int(graph.config.get("hidden", 0) or 0)
     excluded = [d for d in range(2, min(mesh.gpus, MAX_TP) + 1)
                 if mesh.gpus % d == 0 and d not in space.values["tp"] and "tp" not in space.fixed]
-    not_tp = (f"; tp={', '.join(map(str, excluded))} cannot be used (tp must divide hidden "
-              f"{hidden})") if excluded else ""
+    by_hidden = [d for d in excluded if hidden % d]
+    by_domain = [d for d in excluded if not hidden % d and space.tp_domain is not None
+                 and space.tp_domain % d]
+    not_tp = (f"; tp={', '.join(map(str, by_hidden))} cannot be used (tp must divide hidden "
+              f"{hidden})") if by_hidden else ""
+    if by_domain:
+        not_tp += (f"; tp={', '.join(map(str, by_domain))} not tried: "
+                   + cross_node_tp_note(space.tp_domain))
     acts = _candidate_actions(space)
     if not len(acts):
         return head + "no tp x ep x pp split tiles the mesh" + not_tp
@@ -140,7 +154,8 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
             furthest[key] = (int(ev.reason[i]), s)
     if binding == BAD_BATCH:
         text += _batch_that_unblocks(graph, mesh, hardware, workload,
-                                     [space.decode(acts[i]) for i in at], space.fixed)
+                                     [space.decode(acts[i]) for i in at], space.fixed,
+                                     cost_model.kernel_options, space.tp_domain)
     for code in sorted({c for c, _ in furthest.values() if c < binding}):
         stopped = [s for key, (c, s) in sorted(furthest.items()) if c == code]
         names = [_split(s).rsplit(" batch=", 1)[0] for s in stopped]
@@ -148,5 +163,6 @@ def infeasible_message(graph, mesh, hardware, workload, cost_model, space: Strat
             f" and {len(names) - MAX_SPLITS_NAMED} more" if len(names) > MAX_SPLITS_NAMED else "")
         text += f"; {shown}: {reason_text(code).split(' (')[0]} at every batch candidate"
         if code == BAD_BATCH:
-            text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped, space.fixed)
+            text += _batch_that_unblocks(graph, mesh, hardware, workload, stopped, space.fixed,
+                                         cost_model.kernel_options, space.tp_domain)
     return text + not_tp

@@ -22,13 +22,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost import collectives as coll
+from shardc.cost import silicon
 from shardc.cost.branch_tables import BranchTable
+from shardc.cost.imbalance import batch_split_imbalance
+from shardc.cost.moe_dispatch import experts_exchange
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
-from shardc.ir.contract import MODE_EXPONENTS, SHARD_BOTH, TOKEN_SPLIT
+from shardc.ir.contract import (
+    MODE_EXPONENTS,
+    SHARD_BOTH,
+    SHARD_OUT,
+    TOKEN_SPLIT,
+    kv_head_replicas,
+)
 from shardc.ir.graph import FusedOp
+from shardc.ir.windows import attended_positions, causal_pairs, op_window
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
+QK_NORMS = "attn_core q/k norms"  # detail: the whole-projection q/k norms' all-reduce
 
 
 @dataclass
@@ -58,6 +69,14 @@ class Batch:
     kv_bytes: float
     gemm_peak: float
     detail: bool = False
+    expert_imbalance: np.ndarray | float = 1.0  # busiest ep rank's routed rows / mean
+    fp8_dispatch: bool = False  # MoE dispatch in FP8 (combine stays at act_bytes)
+    moe_layouts: str = "backend"  # moe_dispatch.LAYOUT_RULES
+    kernels: object = None  # silicon.SiliconKernels (measured kernel times) or None: roofline
+    fallbacks: list = field(default_factory=list)  # detail: ops the tables did not price
+    # decode only: prompt tokens of a chunked prefill riding on the step (aggregated serving;
+    # included in ``tokens``), which attend on average to half the prompt
+    chunk_tokens: np.ndarray | float = 0.0
 
 
 @dataclass
@@ -69,6 +88,7 @@ class OpCost:
     time_s: np.ndarray
     weight_bytes: np.ndarray
     kv_bytes: np.ndarray
+    source: str = "roofline"  # detail: what priced time_s (silicon.STATUS_TEXT)
 
 
 @dataclass
@@ -106,16 +126,22 @@ def linear_cost(fop: FusedOp, div: np.ndarray, tokens, b: Batch) -> OpCost:
     if fop.name == "embedding":  # a row gather: no FLOPs, reads T rows of the local shard
         comp = np.zeros_like(act)
         mem = memory_time(tokens / d_tok * fop.out_features / d_out * (b.weight_bytes + b.act_bytes), b.hw)
-    else:
-        flops = tokens * _flops_per_token(fop) * (sh / d_flop + (1.0 - sh) / d_tok)
-        eff = gemm_flop_efficiency(tokens / d_tok, fop.in_features * fop.out_features * w_frac, b.hw)
-        comp = compute_time(flops, eff, b.gemm_peak)
-        mem = memory_time(wbytes + act, b.hw)
-    return OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+        return OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+    flops = tokens * _flops_per_token(fop) * (sh / d_flop + (1.0 - sh) / d_tok)
+    eff = gemm_flop_efficiency(tokens / d_tok, fop.in_features * fop.out_features * w_frac, b.hw)
+    comp = compute_time(flops, eff, b.gemm_peak)
+    mem = memory_time(wbytes + act, b.hw)
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+    if b.kernels is not None:
+        k = fop.in_features / d_in
+        oc = silicon.price_linear(oc, fop.name, tokens / d_tok, wbytes / b.weight_bytes / k, k,
+                                  flops, wbytes + act, b)
+    return oc
 
 
-def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch) -> OpCost:
-    """Grouped expert GEMM on one ep rank: its num_experts/ep experts, tokens T_e."""
+def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch, branch_ops=()) -> OpCost:
+    """Grouped expert GEMM on one ep rank: its num_experts/ep experts, tokens T_e
+    (``branch_ops``: the experts branch's ops, for the measured MoE kernel's split)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     E = max(int(fop.attrs.get("num_experts", b.num_experts) or 1), 1)
     k = max(int(fop.attrs.get("top_k", b.top_k) or 1), 1)
@@ -132,14 +158,23 @@ def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch) -> OpCost:
     comp = compute_time(flops, eff, b.gemm_peak)
     act = te * (fop.in_features / d_in + fop.out_features / d_out) * b.act_bytes
     mem = memory_time(w_read + act, b.hw)
-    return OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), w_res, np.zeros_like(w_res))
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), w_res, np.zeros_like(w_res))
+    ffn2 = [o for o in branch_ops if o.name == "expert_ffn2"]
+    if b.kernels is not None and ffn2:
+        share = _flops_per_token(fop) / sum(_flops_per_token(o) for o in branch_ops)
+        oc = silicon.price_expert(oc, fop.name, share, te / k * b.ep / d_tok, b.hidden,
+                                  ffn2[0].in_features, k, E, d_w, flops, w_read + act, b)
+    return oc
 
 
 def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
     """Attention core: decode reads the KV cache at ``decode_flops_per_token_per_context``
     FLOPs per cached position (absorbed MLA for DeepSeek); prefill is causal flash attention
-    at ``flops_per_token_per_context`` (the traced, non-absorbed form)."""
+    at ``flops_per_token_per_context`` (the traced, non-absorbed form). A sliding-window
+    core (``attrs["window"]``, :mod:`shardc.ir.windows`) reads and holds ``min(context,
+    window)`` positions per sequence and its prefill is banded causal attention. Split by
+    batch, the busiest rank's uneven sequences set the time (:mod:`shardc.cost.imbalance`)."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
     heads = int(a.get("heads", 1) or 1)
@@ -155,27 +190,107 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     kv_frac = np.where(mode == SHARD_BOTH, head_frac, np.where(mode == TOKEN_SPLIT, 1.0 / b.tp, 1.0))
     out_width = op_out_width(fop)
     act = b.tokens * (in_width / d_in + out_width / d_out) * b.act_bytes
+    window = op_window(a)
+    chunk_flops = chunk_traffic = None  # aggregated serving: the step's prefill chunk
     if b.phase == "decode":
-        flops = b.seqs * b.context * decode_per_ctx / d_flop
-        traffic = b.seqs * b.context * kv_elems * b.kv_bytes * kv_frac + act
+        read = attended_positions(b.context, window)
+        flops = b.seqs * read * decode_per_ctx / d_flop
+        traffic = b.seqs * read * kv_elems * b.kv_bytes * kv_frac + act
+        length, banded = read, 1.0
+        if np.any(b.chunk_tokens):  # chunk: context attention over its prompt prefix
+            chunk_flops = b.chunk_tokens * (b.prompt + 1) / 2 * per_ctx / d_flop
+            prompts = np.maximum(b.chunk_tokens / b.prompt, np.minimum(b.chunk_tokens, 1.0))
+            chunk_traffic = (b.chunk_tokens + prompts * b.prompt / 2) * kv_elems \
+                * b.kv_bytes * kv_frac
     else:
-        flops = b.seqs * b.prompt * (b.prompt + 1) / 2 * per_ctx / d_flop
+        pairs = causal_pairs(b.prompt, window)
+        flops = b.seqs * pairs * per_ctx / d_flop
         traffic = b.tokens * kv_elems * b.kv_bytes * kv_frac + act
+        # a measured causal kernel over the prompt, scaled to the band's query-key pairs
+        length, banded = b.prompt, pairs / causal_pairs(b.prompt, None)
     comp = compute_time(flops, b.hw.attention_eff, b.hw.peak_flops(False))
     mem = memory_time(traffic, b.hw)
-    kv_res = b.seqs_resident * b.kv_context * kv_elems * b.kv_bytes * kv_frac
+    held = attended_positions(b.kv_context, window)
+    kv_res = b.seqs_resident * held * kv_elems * b.kv_bytes * kv_frac
     zero = np.zeros_like(kv_res)
-    return OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 2, b.hw), zero, kv_res)
+    if b.kernels is not None:
+        by_heads = mode == SHARD_BOTH
+        oc = silicon.price_attention(
+            oc, fop.name, b.seqs / np.where(mode == TOKEN_SPLIT, b.tp, 1.0), length,
+            np.where(by_heads, heads / b.tp, heads),
+            np.where(by_heads, kv_heads / np.minimum(b.tp, kv_heads), kv_heads), hd,
+            not split_heads or hd != vhd, flops, traffic, b,
+            mla_v3=not split_heads and kv_elems == 576, scale=banded)
+    if chunk_flops is not None:  # its own context-attention kernel, priced by the roofline
+        c_comp = compute_time(chunk_flops, b.hw.attention_eff, b.hw.peak_flops(False))
+        c_mem = memory_time(chunk_traffic, b.hw)
+        oc = OpCost(oc.compute_s + c_comp, oc.memory_s + c_mem,
+                    oc.time_s + kernel_time(c_comp, c_mem, 1, b.hw), oc.weight_bytes, oc.kv_bytes)
+    if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the longest ones set the pace
+        imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
+        oc = OpCost(oc.compute_s * imb, oc.memory_s * imb, oc.time_s * imb, oc.weight_bytes,
+                    oc.kv_bytes)
+    return oc
 
 
-def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw) -> np.ndarray:
-    """Seconds of the collective code ``kind`` (per strategy) on ``S`` full-tensor bytes."""
+def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
+                          ) -> np.ndarray | None:
+    """GQA with tp > kv_heads (:func:`shardc.ir.contract.kv_head_replicas`): under a heads
+    split fed by a column-split qkv each rank holds its 1/tp of the query heads and one whole
+    KV head (each KV head repeated tp / kv_heads times before the split, as vLLM places it),
+    so qkv's weights, FLOPs and output -- the attention core's input -- divide by
+    ``tp / (1 + kv_share x (replicas - 1))``, ``kv_share`` = the K/V fraction of qkv's output
+    features. Returns that divisor [B] where it applies and ``tp`` elsewhere, or None when no
+    strategy of the batch replicates KV heads. ``modes`` [B, m]: the attention branch's."""
+    names = [o.name for o in ops]
+    if "qkv" not in names or "attn_core" not in names:
+        return None
+    qkv, core = ops[names.index("qkv")], ops[names.index("attn_core")]
+    a = core.attrs
+    heads = int(a.get("heads", 1) or 1)
+    kv = int(a.get("kv_heads", heads) or heads)
+    if kv >= heads or not a.get("kv_cache_split_by_heads", True):
+        return None
+    rep = kv_head_replicas(tp, kv).astype(np.float64)
+    rows = (rep > 1) & (modes[:, names.index("qkv")] == SHARD_OUT) \
+        & (modes[:, names.index("attn_core")] == SHARD_BOTH)
+    if not rows.any():
+        return None
+    share = min(2.0 * kv * int(a.get("head_dim", 0)) / max(int(qkv.out_features or 1), 1), 1.0)
+    return np.where(rows, tp / (1.0 + share * (rep - 1.0)), tp)
+
+
+QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (backends.attention)
+
+
+def qk_norm_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, seconds) of all the all-reduces of whole-projection q/k norms (OLMoE,
+    ``attrs["whole_projection_norms"]`` = n) before the attention core: under a heads split
+    each rank holds a tp slice of the normalised features, so each norm all-reduces its
+    ``T x 1`` fp32 sum of squares over tp (n all-reduces of ``T * 4`` bytes; the bytes
+    returned are their sum); other modes normalise whole rows locally."""
+    norms = int(fop.attrs.get("whole_projection_norms", 0) or 0)
+    S = b.tokens * QK_NORM_SUM_BYTES
+    codes = np.full(b.tp.shape, coll.ALL_REDUCE)
+    t = _pick_collective(codes, S, b.groups["tp"], b.hw, b, QK_NORMS)
+    return norms * S, np.where(mode == SHARD_BOTH, norms * t, 0.0)
+
+
+def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw, b: Batch | None = None,
+                     before: str = "") -> np.ndarray:
+    """Seconds of the collective code ``kind`` (per strategy) on ``S`` full-tensor bytes
+    (measured where ``b.kernels`` covers it)."""
     ag = coll.all_gather(S, group, hw)
     base = hw.collective_base_us * 1e-6
     ar = np.where(group.size > 1, 2 * ag - base, 0.0)  # all_reduce = 2 x (AG - a0) + a0
     a2a = coll.all_to_all(S / group.size, group, hw)
-    return np.select([kind == coll.ALL_GATHER, kind == coll.REDUCE_SCATTER,
-                      kind == coll.ALL_REDUCE, kind == coll.ALL_TO_ALL], [ag, ag, ar, a2a], 0.0)
+    t = np.select([kind == coll.ALL_GATHER, kind == coll.REDUCE_SCATTER,
+                   kind == coll.ALL_REDUCE, kind == coll.ALL_TO_ALL], [ag, ag, ar, a2a], 0.0)
+    if b is not None and b.kernels is not None:
+        msg = np.where(kind == coll.ALL_TO_ALL, S / group.size, S)
+        t = silicon.price_collective(t, np.where(group.size > 1, kind, 0), msg, group, b, before)
+    return t
 
 
 def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.ndarray,
@@ -193,40 +308,72 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     width = in_width
     coll_codes = table.collectives[combo, res]  # [B, m + 1]
     modes = table.modes[combo, res]  # [B, m]
+    kv_div = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
     hw = b.hw
+    compute = np.zeros(B)  # the ops' own time, for the overlap with the collectives
     for j, fop in enumerate(ops):
         S = tokens * width * b.act_bytes
-        c_s = _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw)
+        # the experts' first repair is priced with the dispatch (moe_dispatch)
+        c_s = (np.zeros(B) if experts and j == 0
+               else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw, b, fop.name))
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
+        if kv_div is not None and fop.name in ("qkv", "attn_core"):  # replicated KV heads
+            for c in ([1, 2, 4] if fop.name == "qkv" else [3]):  # flops, weight, out / input
+                div[:, c] = np.where(div[:, c] > 1, kv_div, div[:, c])
         if fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
+            if fop.attrs.get("whole_projection_norms"):
+                norm_S, norm_s = qk_norm_all_reduce(fop, mode, b)
+                total += norm_s
+                if b.detail:
+                    out.collectives.append((QK_NORMS, np.where(norm_s > 0, coll.ALL_REDUCE, 0),
+                                            "tp", norm_S, norm_s))
         elif fop.name in EXPERT_OPS:
-            oc = expert_cost(fop, div, b)
+            oc = expert_cost(fop, div, b, ops)
         else:
             oc = linear_cost(fop, div, tokens, b)
         total += c_s + oc.time_s
+        compute += oc.time_s
         wsum += oc.weight_bytes
         kvsum += oc.kv_bytes
         if b.detail:
             out.ops.append((fop.name, mode, oc, c_s))
-            out.collectives.append((fop.name, coll_codes[:, j], "tp", S, c_s))
+            if not (experts and j == 0):
+                out.collectives.append((fop.name, coll_codes[:, j], "tp", S, c_s))
         width = op_out_width(fop)
+    if experts:  # dispatch + combine over ep and the tp repairs around them (moe_dispatch)
+        t_x, rows = experts_exchange(table.ops, combo, b, b.detail)
+        tp_comm = total - compute
+        total += t_x
+        if getattr(hw, "tp_comm_overlap", 0.0) or getattr(hw, "ep_comm_overlap", 0.0):
+            total[:] = overlapped(compute, tp_comm, t_x, hw)
+        if b.detail:
+            first = next(i for i, r in enumerate(rows) if r[0] == ops[0].name)
+            out.ops[0] = out.ops[0][:3] + (rows[first][4],)
+            out.collectives[:0] = rows[:first + 1]
+            out.collectives += rows[first + 1:]
+        return out
     S = tokens * width * b.act_bytes
-    c_s = _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw)
+    c_s = _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw, b, f"end of {branch}")
     total += c_s
     if b.detail:
         out.collectives.append(("<end>", coll_codes[:, len(ops)], "tp", S, c_s))
-    if experts:  # dispatch + combine all-to-all over ep, per rank: T_local x top_k x hidden
-        local = b.tokens / np.where(res == 1, tp, 1)
-        S_a2a = local * b.top_k * b.hidden * b.act_bytes
-        a2a = coll.all_to_all(S_a2a, b.groups["ep"], hw)
-        total += 2 * a2a
-        if b.detail:
-            code = np.full(B, 4)
-            out.collectives.insert(0, ("dispatch", code, "ep", S_a2a, a2a))
-            out.collectives.append(("combine", code, "ep", S_a2a, a2a))
+    if getattr(hw, "tp_comm_overlap", 0.0) or getattr(hw, "ep_comm_overlap", 0.0):
+        total[:] = overlapped(compute, total - compute, 0.0, hw)
     return out
+
+
+def overlapped(compute, tp_comm, ep_comm, hw) -> np.ndarray:
+    """A branch's time (s) when the preset's ``tp_comm_overlap`` / ``ep_comm_overlap``
+    fractions of its tp collectives / ep all-to-alls run under its compute:
+    ``compute + (1 - o_tp) tp_comm + (1 - o_ep) ep_comm``, never below
+    ``max(compute, tp_comm + ep_comm)`` (what is hidden is at most the compute it hides
+    behind). Per branch, from that branch's own terms: the step stays a sum of branch terms,
+    so the decomposed exact search stays exact."""
+    o_tp = float(getattr(hw, "tp_comm_overlap", 0.0))
+    o_ep = float(getattr(hw, "ep_comm_overlap", 0.0))
+    return compute + tp_comm + ep_comm - np.minimum(o_tp * tp_comm + o_ep * ep_comm, compute)
 
 
 def norms_cost(b: Batch, other_params: int) -> tuple[np.ndarray, np.ndarray]:

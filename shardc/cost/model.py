@@ -16,6 +16,12 @@ independent, so per-GPU numbers are per replica):
   (pp-1)/(m+pp-1)); with pp = 1 the whole batch is one pass. ``TTFT`` = time until the
   last sequence's prefill finishes; ``tok/s/GPU = batch * prompt / TTFT / replica_gpus``
   (prompt tokens); ``tpot_ms`` is NaN;
+* decode with ``mixed_prefill`` > 0 (aggregated serving, :mod:`shardc.cost.serving`): every
+  step also carries a chunk of ``mixed_prefill`` prompt tokens per running sequence (chunked
+  prefill in in-flight batching); GEMMs see decode + chunk tokens, attention decodes the
+  running sequences and runs context attention for the chunk (``workload.prompt`` = the input
+  length); ``TTFT = (ceil(prompt / chunk per micro-batch) + 0.5) * TPOT`` (the prompt's
+  chunks spread over steps, plus half a step waiting to join one) and must meet the TTFT SLO;
 * memory per GPU (bottleneck stage): weight shards + KV cache of all resident sequences
   (context tokens in decode, prompt tokens in prefill) + activations (4 live buffers of the
   widest activation, the dispatched expert tokens and fp32 logits) + the preset's fixed
@@ -43,12 +49,13 @@ from shardc.cost.branch_tables import (
 )
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
+from shardc.cost.moe_dispatch import LAYOUT_RULES
 from shardc.cost.topology import mesh_groups
 from shardc.errors import InputError
 from shardc.ir.contract import BRANCHES
 from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
-from shardc.ir.strategy import Mesh, Strategy, Workload, stage_layer_ranges
+from shardc.ir.strategy import Mesh, Strategy, Workload, format_bytes, stage_layer_ranges
 
 # reason codes of an infeasible strategy (0 = feasible), checked in this order
 REASONS = {
@@ -96,24 +103,48 @@ class _Kind:
 class CostModel:
     """``CostModel(graph, mesh, hardware, workload)``; ``evaluate(actions, space)``.
 
-    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element,
-    default the graph's ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak),
-    ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`).
+    Keyword options: ``weight_bytes`` / ``kv_bytes`` / ``act_bytes`` (bytes per element;
+    default from ``workload.weights`` / ``workload.kv_cache``: 1 for fp8, else the graph's
+    ``dtype_bytes``), ``fp8_gemm`` (GEMMs at the fp8 peak; default: ``workload.weights ==
+    "fp8"``), ``fp8_dispatch`` (MoE dispatch in FP8, :mod:`shardc.cost.moe_dispatch`;
+    default: as ``fp8_gemm``), ``moe_layouts`` (the tensor layouts the MoE exchange may
+    cross at, :data:`shardc.cost.moe_dispatch.LAYOUT_RULES`; default ``"backend"``, what the
+    emitted code runs), ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`), ``kernels``
+    (``"roofline"``, the default here, or ``"silicon"``: measured kernel times where the
+    tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
+    ``kernel_source`` says what prices the model (``"roofline"`` or
+    ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon; for serving
+    (:mod:`shardc.cost.serving`): ``attend_context`` (positions a decode step attends, tokens;
+    default the workload's context, which is also the KV length held per sequence) and
+    ``mixed_prefill`` (prompt tokens per running sequence per decode step; 0 = pure decode).
     """
 
     def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
                  *, weight_bytes: float | None = None, kv_bytes: float | None = None,
-                 act_bytes: float | None = None, fp8_gemm: bool = False,
-                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE):
+                 act_bytes: float | None = None, fp8_gemm: bool | None = None,
+                 fp8_dispatch: bool | None = None, moe_layouts: str = "backend",
+                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
+                 engine: str = "vllm", attend_context: float | None = None,
+                 mixed_prefill: float = 0.0):
+        from shardc.cost.silicon import kernels_for
+
         self.graph, self.mesh, self.workload = graph, mesh, workload
         self.hw = load_hardware(hardware)
+        self.kernels, self.kernel_source, self.kernel_reason = kernels_for(self.hw, kernels, engine)
+        self.kernel_options = {"kernels": kernels, "engine": engine}
         cfg = graph.config
         dtype = float(cfg.get("dtype_bytes", 2) or 2)
-        self.weight_bytes = float(weight_bytes or dtype)
-        self.kv_bytes = float(kv_bytes or dtype)
+        self.weight_bytes = float(weight_bytes or format_bytes(workload.weights, dtype))
+        self.kv_bytes = float(kv_bytes or format_bytes(workload.kv_cache, dtype))
         self.act_bytes = float(act_bytes or dtype)
-        self.fp8_gemm = bool(fp8_gemm)
+        self.fp8_gemm = workload.weights == "fp8" if fp8_gemm is None else bool(fp8_gemm)
+        self.fp8_dispatch = self.fp8_gemm if fp8_dispatch is None else bool(fp8_dispatch)
+        if moe_layouts not in LAYOUT_RULES:
+            raise ValueError(f"moe_layouts {moe_layouts!r}: expected one of {LAYOUT_RULES}")
+        self.moe_layouts = moe_layouts
         self.expert_imbalance = float(expert_imbalance)
+        self.attend_context = float(attend_context or workload.context)
+        self.mixed_prefill = float(mixed_prefill) if workload.phase == "decode" else 0.0
         self.hidden = int(cfg.get("hidden", 0))
         if self.hidden <= 0:
             raise InputError(f"model {graph.name}: config has no hidden size")
@@ -181,9 +212,10 @@ class CostModel:
         residual = (sp > 1).astype(np.int64)
         if wl.phase == "decode":
             seqs = bf / ppf / epf
-            tokens = seqs
+            chunk = seqs * self.mixed_prefill  # chunked-prefill tokens riding on the step
+            tokens = seqs + chunk
             micro = ppf
-            context, kv_context = float(wl.context), float(wl.context)
+            context, kv_context = self.attend_context, float(wl.context)
             batch_ok = batch % (pp * ep) == 0
         else:
             seqs = np.where(pp > 1, 1.0, bf / epf)
@@ -195,14 +227,15 @@ class CostModel:
         b = Batch(hw=self.hw, phase=wl.phase, tp=tpf, ep=epf, sp=sp, seqs=seqs,
                   seqs_resident=bf / epf, tokens=tokens,
                   expert_tokens=tokens * self.top_k * imb,
-                  lm_tokens=tokens if wl.phase == "decode" else seqs,
+                  lm_tokens=seqs, chunk_tokens=chunk if wl.phase == "decode" else 0.0,
                   context=context, kv_context=kv_context, prompt=float(wl.prompt),
                   residual=residual,
                   groups=mesh_groups(tp, ep, np.maximum(dp, 1), pp, self.mesh.gpus_per_node),
                   hidden=self.hidden, top_k=self.top_k, num_experts=self.num_experts,
                   weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
                   kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
-                  detail=detail)
+                  detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
+                  moe_layouts=self.moe_layouts, kernels=self.kernels)
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
@@ -279,10 +312,17 @@ class CostModel:
         tick = stage_t.max(axis=1) + send
         if wl.phase == "decode":
             tpot = ppf * tick
-            ttft = np.full(B, np.nan)
             tok_s = bf / tpot / (tpf * epf * ppf)
             latency_bad = tpot * 1e3 > wl.tpot_slo_ms
             latency_reason = TPOT_SLO
+            if self.mixed_prefill > 0:  # aggregated serving: the prompt's chunks over steps
+                steps = np.ceil(wl.prompt / np.maximum(chunk, 1e-9) - 1e-9)
+                ttft = (steps + 0.5) * tpot
+                ttft_bad = ttft * 1e3 > wl.ttft_slo_ms
+                latency_reason = np.where(latency_bad, TPOT_SLO, TTFT_SLO)
+                latency_bad = latency_bad | ttft_bad
+            else:
+                ttft = np.full(B, np.nan)
         else:
             ttft = (micro + ppf - 1) * tick
             tpot = np.full(B, np.nan)

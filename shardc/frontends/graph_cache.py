@@ -32,27 +32,19 @@ import gzip
 import hashlib
 import importlib.metadata
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from shardc.cache import (  # noqa: F401 (the names re-exported)
+    CACHE_DIR_ENV,
+    NO_CACHE_ENV,
+    cache_dir,
+    cache_enabled,
+    write_entry,
+)
 from shardc.ir.graph import Graph
 
 MAX_ENTRIES = 200  # oldest entries (by modification time) beyond this are deleted
-CACHE_DIR_ENV = "SHARDC_CACHE_DIR"
-NO_CACHE_ENV = "SHARDC_NO_CACHE"
 _PKG = Path(__file__).resolve().parents[1]
-
-
-def cache_enabled() -> bool:
-    """False when ``SHARDC_NO_CACHE`` is set to anything but ``""`` / ``"0"``."""
-    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
-
-
-def cache_dir() -> Path:
-    """``$SHARDC_CACHE_DIR`` or ``~/.cache/shardc/graphs``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "shardc" / "graphs"
 
 
 def _code_files() -> list[Path]:
@@ -139,26 +131,18 @@ def load_text(key: str) -> str | None:
 
 def store_text(key: str, text: str, deps=()) -> Path | None:
     """Write ``text`` atomically as the entry for ``key`` (see :func:`store_entry`)."""
-    folder = cache_dir()
-    tmp = None
     recorded = sorted((str(d), _file_digest(str(d))) for d in deps)
     header = json.dumps({"deps": [[p, h] for p, h in recorded if h is not None]})
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json.gz", dir=folder)
-        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
+
+    def write(raw) -> None:
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
             fh.write(header.encode("utf-8") + b"\n")
             fh.write(text.encode("utf-8"))
-        os.replace(tmp, entry_path(key))
-        _prune(folder)
-        return entry_path(key)
-    except OSError:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+
+    if not write_entry(entry_path(key), write, ".json.gz"):
         return None
+    _prune(cache_dir())
+    return entry_path(key)
 
 
 def derived_key(path: str | Path, what: str, code_dirs: tuple[str, ...]) -> str:

@@ -16,7 +16,9 @@ Raw IR produced here (canonicalise turns it into op kinds, FLOPs and bytes):
   :class:`Param` record is attached to the node that consumes it;
 * buffers and constants (e.g. rotary ``inv_freq``) are neither nodes nor params;
 * ``module_path`` = innermost ``nn_module_stack`` entry (wrapper prefix removed), ``layer``
-  = the first numeric component of that path (``model.layers.12.mlp`` -> 12).
+  = the first numeric component of that path (``model.layers.12.mlp`` -> 12);
+* ``attrs["attention_window"]`` on the nodes of a sliding-window layer: its window in tokens
+  (:mod:`shardc.frontends.attention_window`).
 
 ``Graph.params`` holds every parameter of the module once (tied weights once), in
 ``named_parameters`` order, so ``Graph.num_params == sum(p.numel() for p in module.parameters())``.
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from shardc.errors import InputError
+from shardc.frontends.attention_window import record_windows
 from shardc.frontends.imports import user_code
 from shardc.ir.graph import Graph, Node, Param
 
@@ -293,6 +296,7 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                 node.attrs["kwargs"] = kw
         nodes.append(node)
         produced.add(fx.name)
+    record_windows(nodes, model, layer_of)
     graph.nodes = nodes
     return graph
 

@@ -107,12 +107,24 @@ def choice_name(op: str, index: int) -> str:
     return _TABLE[op][index].name
 
 
+def kv_head_replicas(tp, kv_heads: int):
+    """Ranks holding each KV head under a heads split at tensor-parallel degree ``tp``
+    (scalar or array): 1 when tp divides the KV heads; ``tp / kv_heads`` when tp is a
+    multiple of them -- GQA with tp > kv_heads, where each rank keeps the one KV head its
+    query heads read and each KV head is replicated over ``tp / kv_heads`` ranks (as vLLM
+    does), instead of replicating the whole attention."""
+    return np.maximum(np.asarray(tp) // max(int(kv_heads), 1), 1)
+
+
 def legal(choice: OpChoice, tp: int, in_features: int, out_features: int, heads: int,
-          kv_heads: int) -> bool:
+          kv_heads: int, replicate_kv_heads: bool = True) -> bool:
     """Whether ``choice`` is legal at tensor-parallel degree ``tp`` for an op of these
-    features (a heads split must split the KV heads too: GQA groups stay whole)."""
+    features. A heads split needs tp | heads and either tp | kv_heads (GQA groups stay whole)
+    or, with ``replicate_kv_heads``, kv_heads | tp (each KV head held by tp / kv_heads ranks,
+    :func:`kv_head_replicas`)."""
     if choice.requires == "heads":
-        return heads % tp == 0 and kv_heads % tp == 0
+        kv_ok = kv_heads % tp == 0 or (replicate_kv_heads and tp % kv_heads == 0)
+        return heads % tp == 0 and kv_ok
     if choice.requires == "in":
         return in_features % tp == 0
     if choice.requires == "out":

@@ -121,7 +121,9 @@ class FusedOp:
     cached position, the attention the traced model computes; prefill),
     ``decode_flops_per_token_per_context`` (FLOPs per cached position of one decode step: the
     absorbed-MLA form ``2 * heads * (2 * kv_lora + rope)`` over the latent cache for MLA, else
-    equal to the former); ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
+    equal to the former), ``window`` (tokens; only on sliding-window layers:
+    :mod:`shardc.ir.windows`), ``whole_projection_norms`` (only when > 0: q/k norms over a
+    whole projection, all-reduced under a heads split); ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
     ``out_features`` = heads * v_head_dim); for expert ops ``num_experts``, ``top_k``,
     ``gated``; for ffn1-like ops ``gated`` (SwiGLU); for shared-expert ops ``num_shared``.
     ``qkv`` of MLA: ``out_features`` = q and kv up-projection outputs; the low-rank down

@@ -28,8 +28,27 @@ from shardc.validate import divisors
 DEGREE_COMPONENTS = ("tp", "ep", "pp", "sp", "batch")
 MAX_TP = 64
 MAX_PP = 64
-DECODE_BATCHES = tuple(2**i for i in range(0, 13))  # 1 .. 4096 sequences per replica
-PREFILL_BATCHES = tuple(2**i for i in range(0, 9))  # 1 .. 256 prompts per replica
+BATCH_STEPS_PER_OCTAVE = (4, 5, 6, 7)  # 2^k x {1, 1.25, 1.5, 1.75}: neighbours <= 25% apart
+
+
+def batch_grid(limit: int) -> tuple[int, ...]:
+    """Batch candidates 1 .. ``limit``: 1, 2, 3, then ``m x 2^k`` for m in
+    :data:`BATCH_STEPS_PER_OCTAVE` -- a geometric grid whose neighbours differ by at most 25%
+    from 4 up (powers of two alone put a 2x step next to a latency SLO, so a plan just over
+    it lost half its batch), and whose values keep their large power-of-two factors (the
+    divisibility over pp x ep micro-batches and tp token splits that a plain geometric grid
+    would break). Each odd part's values form a doubling chain (3, 6, 12, ...; 5, 10, 20, ...),
+    along which divisibility only improves (see ``search.exact``'s batch pruning)."""
+    out = {1, 2, 3}
+    k = 0
+    while 4 * 2**k <= limit:
+        out.update(m * 2**k for m in BATCH_STEPS_PER_OCTAVE if m * 2**k <= limit)
+        k += 1
+    return tuple(sorted(v for v in out if v <= limit))
+
+
+DECODE_BATCHES = batch_grid(4096)  # 1 .. 4096 sequences per replica (44 values)
+PREFILL_BATCHES = batch_grid(256)  # 1 .. 256 prompts per replica (28 values)
 
 
 def check_positions(graph: Graph, workload: Workload) -> None:
@@ -45,6 +64,24 @@ def check_positions(graph: Graph, workload: Workload) -> None:
                          f"max_position_embeddings {limit}")
 
 
+def nvlink_tp_domain(mesh: Mesh, nvlink_domain: int, allow_cross_node_tp: bool = False
+                     ) -> int | None:
+    """GPUs a tp group may span: one node's NVLink domain, ``min(G, nvlink_domain)`` (the
+    hardware's NVLink domain size in GPUs), so tensor parallelism -- collectives on every
+    layer -- never runs over the scale-out network; None (no limit) with
+    ``allow_cross_node_tp`` (``--allow-cross-node-tp``). tp must divide the domain (tp is the
+    innermost mesh dim, so its groups then never straddle a node)."""
+    if allow_cross_node_tp:
+        return None
+    return max(1, min(int(mesh.gpus_per_node), int(nvlink_domain)))
+
+
+def cross_node_tp_note(tp_domain: int) -> str:
+    """Why a tp degree is not searched (the infeasibility and --degrees messages say it)."""
+    return (f"tp is kept inside one NVLink domain ({tp_domain} GPUs; tp must divide it); "
+            "--allow-cross-node-tp lets tp span nodes")
+
+
 @dataclass
 class StrategySpace:
     graph: Graph
@@ -57,16 +94,22 @@ class StrategySpace:
     # search explores the rest
     fixed: dict[str, int] = field(default_factory=dict)
     replica_gpus: int | None = None  # tp * ep * pp when dp is fixed
+    # GPUs one tp group may span (:func:`nvlink_tp_domain`: tp must divide it); None = any
+    # (``--allow-cross-node-tp``, or a caller pricing a given strategy)
+    tp_domain: int | None = None
 
     def __post_init__(self):
         check_positions(self.graph, self.workload)
         g, world, cfg = self.graph, self.mesh.gpus, self.graph.config
         hidden = int(cfg.get("hidden", 0)) or 1
         experts = int(cfg.get("num_experts", 0) or 0)
-        tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0]
+        tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0
+              and (self.tp_domain is None or self.tp_domain % d == 0)]
         ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
         pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
-        sp = [0, 1] if self.workload.phase == "prefill" else [0]
+        # sequence parallel (residual token-split between tp regions) in both phases; in
+        # decode the tokens are the batch's sequences (one new token each)
+        sp = [0, 1]
         if self.fixed:
             tp, ep, pp, sp = self._apply_fixed(tp, ep, pp, sp, hidden, experts)
         if self.workload.batch is not None:
@@ -94,6 +137,10 @@ class StrategySpace:
                       if experts else "the model has no experts (ep must be 1)"),
                "pp": f"pp must divide the GPU count {world} and be at most {min(MAX_PP, layers)}"}
         out = {"tp": tp, "ep": ep, "pp": pp}
+        t = f.get("tp", 1)
+        if (self.tp_domain is not None and self.tp_domain % t and not world % t
+                and not hidden % t and t <= MAX_TP):  # possible, but spans nodes
+            raise InputError(f"--degrees tp={f['tp']}: {cross_node_tp_note(self.tp_domain)}")
         for name, values in out.items():
             if name in f:
                 if f[name] not in values:
@@ -108,8 +155,6 @@ class StrategySpace:
                 raise InputError(f"--degrees dp={f['dp']}: no tp x ep x pp here makes "
                                  f"{self.replica_gpus} GPUs per replica")
         if "sp" in f and f["sp"] != 1:
-            if self.workload.phase != "prefill":
-                raise InputError("--degrees sp: sequence parallel applies to prefill only")
             if f["sp"] != SP_ON and ("tp" not in f or f["sp"] != f["tp"]):
                 raise InputError(f"--degrees sp={f['sp']}: sp is 1 (off) or equal to tp (on)")
             sp = [1]
@@ -145,9 +190,10 @@ class StrategySpace:
             return self.graph.layer_kind(kind).op(op), op
         return self.graph.global_op(slot), slot
 
-    def _op_mask_for_tp(self, tp: int) -> np.ndarray:
+    def _op_mask_for_tp(self, tp: int, replicate_kv_heads: bool = True) -> np.ndarray:
         """[n_slots, 3] legal choices at tensor-parallel degree ``tp``
-        (:func:`shardc.ir.contract.legal`)."""
+        (:func:`shardc.ir.contract.legal`; ``replicate_kv_heads`` False: a heads split only
+        where tp divides the KV heads, Megatron's rule)."""
         cfg = self.graph.config
         heads = int(cfg.get("heads", 1) or 1)
         kv_heads = int(cfg.get("kv_heads", heads) or heads)
@@ -156,7 +202,8 @@ class StrategySpace:
             fop, op = self._fused(slot)
             for c in range(NUM_CHOICES):
                 mask[i, c] = legal(op_choice(op, c), tp, int(fop.in_features or 0),
-                                   int(fop.out_features or 0), heads, kv_heads)
+                                   int(fop.out_features or 0), heads, kv_heads,
+                                   replicate_kv_heads)
         return mask
 
     # ---------------------------------------------------------------- vectorised
@@ -222,8 +269,9 @@ MEGATRON_CHOICE = {
 
 def megatron_op_choices(space: StrategySpace, tp_idx: int) -> np.ndarray:
     """[n_slots] Megatron's choice per op slot at candidate ``tp_idx``; where Megatron's dim
-    is illegal at that tp (e.g. tp does not divide the heads) the op is replicated."""
-    mask = space.op_masks(np.array([tp_idx]))[0]
+    is illegal at that tp (e.g. tp does not divide the heads, or the KV heads: Megatron does
+    not replicate KV heads) the op is replicated."""
+    mask = space._op_mask_for_tp(space.values["tp"][int(tp_idx)], replicate_kv_heads=False)
     out = np.empty(len(space.op_slots), dtype=np.int64)
     for i, slot in enumerate(space.op_slots):
         c = MEGATRON_CHOICE[slot.split(".")[-1]]

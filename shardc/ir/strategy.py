@@ -77,12 +77,30 @@ class Mesh:
         return cls(int(g_txt), int(n_txt))
 
 
+QUANT_FORMATS = ("bf16", "fp8")  # --weights / --kv-cache values (Workload.weights, .kv_cache)
+
+
+def format_bytes(fmt: str, native_bytes: float) -> float:
+    """Bytes per element stored in format ``fmt``: 1 for ``fp8``; for ``bf16`` the model's
+    own element size ``native_bytes`` (2 for a bf16 model)."""
+    return 1.0 if fmt == "fp8" else float(native_bytes)
+
+
+PHASES = ("decode", "prefill", "serve")
+SERVE_MODES = ("auto", "agg", "disagg")
+
+
 @dataclass
 class Workload:
     """What is served. ``batch`` None means "search it" (``--batch auto``).
 
     context: KV-cache length in tokens seen by each decode step; prompt: prompt tokens per
-    sequence for prefill; SLOs in milliseconds.
+    sequence for prefill; SLOs in milliseconds. ``weights`` / ``kv_cache``: the number format
+    served (:data:`QUANT_FORMATS`): ``fp8`` = 1 byte per element (FP8 weights also run the
+    GEMMs at the FP8 peak); ``bf16`` = the model's 16-bit dtype. ``phase="serve"`` (SPEC
+    section 11): requests of ``isl`` input and ``osl`` output tokens under both SLOs, served
+    by one aggregated pool (``mode="agg"``), a prefill and a decode pool (``"disagg"``) or the
+    better (``"auto"``); ``batch`` then caps the running sequences per replica.
     """
 
     phase: str = "decode"
@@ -91,11 +109,23 @@ class Workload:
     prompt: int = 2048
     tpot_slo_ms: float = 50.0
     ttft_slo_ms: float = 2000.0
+    weights: str = "bf16"
+    kv_cache: str = "bf16"
+    isl: int = 2048
+    osl: int = 512
+    mode: str = "auto"
 
     def __post_init__(self):
-        if self.phase not in ("decode", "prefill"):
-            raise InputError(f"--phase {self.phase!r}: expected decode or prefill")
-        for name in ("context", "prompt"):
+        if self.phase not in PHASES:
+            raise InputError(f"--phase {self.phase!r}: expected decode, prefill or serve")
+        if self.mode not in SERVE_MODES:
+            raise InputError(f"--mode {self.mode!r}: expected auto, agg or disagg")
+        for name in ("weights", "kv_cache"):
+            value = getattr(self, name)
+            if value not in QUANT_FORMATS:
+                raise InputError(f"--{name.replace('_', '-')} {value!r}: expected "
+                                 f"{' or '.join(QUANT_FORMATS)}")
+        for name in ("context", "prompt", "isl", "osl"):
             setattr(self, name, check_number(getattr(self, name), f"--{name}", integer=True,
                                              minimum=1, maximum=MAX_TOKENS, unit="tokens"))
         if self.batch is not None:

@@ -14,12 +14,18 @@ non-absorbed form over up-projected K/V, as in prefill); ``decode_flops_per_toke
 is what a decode step costs per cached position: the same for standard attention, the
 absorbed-MLA form ``2 * heads * (2 * kv_lora + rope)`` over the latent cache for MLA
 (:func:`mla_absorbed_flops_per_context`). The cost model uses the first for prefill and the
-second for decode.
+second for decode. ``window`` (tokens, only on sliding-window layers): the
+``attention_window`` the frontend recorded on the layer's nodes (the traced model's
+per-layer window; :mod:`shardc.ir.windows`); such a core reads ``min(context, window)``
+positions. ``whole_projection_norms`` (only when > 0): q/k norms that normalise a whole
+projection output rather than each head (OLMoE) -- a reduction over the full width of a
+qkv up-projection's output on its way to the core; under a heads split each such norm
+all-reduces a ``[tokens, 1]`` sum of squares over tp (:func:`whole_projection_norms`).
 
 Decode FLOPs per token (:func:`decode_flops_per_token`) at context ``C``::
 
     sum_kinds count * (sum_ops flops_per_token
-                       + C * attn_core.decode_flops_per_token_per_context)
+                       + min(C, window) * attn_core.decode_flops_per_token_per_context)
     + sum_global_ops flops_per_token
 
 with linear-like ops at ``2 * weight elements`` (experts: ``top_k * 2 * in * out``), the
@@ -32,6 +38,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from shardc.ir.graph import FusedOp, Graph, LayerKind, Node
+from shardc.ir.windows import attended_positions, op_window
 from shardc.passes.canonicalise import dtype_bytes
 from shardc.passes.dataflow import Dataflow
 
@@ -139,8 +146,44 @@ def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
              "kv_cache_elems_per_token": cache, "kv_cache_split_by_heads": split,
              "flops_per_token_per_context": traced,
              "decode_flops_per_token_per_context": decode}
+    window = _layer_window(core)
+    if window:
+        attrs["window"] = window
+    norms = whole_projection_norms(up, nodes, head_dim)
+    if norms:
+        attrs["whole_projection_norms"] = norms
     return FusedOp(name="attn_core", in_features=sum(_out(n) for n in up),
                    out_features=heads * v_head_dim, nodes=[n.name for n in core], attrs=attrs)
+
+
+def _layer_window(nodes: list[Node]) -> int | None:
+    """The sliding window (tokens) the frontend recorded on these nodes
+    (``Node.attrs["attention_window"]``), None for full attention."""
+    return next((int(n.attrs["attention_window"]) for n in nodes
+                 if n.attrs.get("attention_window")), None)
+
+
+def whole_projection_norms(up: list[Node], nodes: list[Node], head_dim: int) -> int:
+    """How many of the qkv up-projections ``up`` are normalised over their whole output
+    (more than one head's ``head_dim`` features) before the attention core: a reduction
+    reached from the projection without passing a matmul or the core, whose input's last
+    dim is the projection's output width and whose output's is 1 (RMSNorm's mean of
+    squares). Per-head norms (Qwen3) reduce over ``head_dim`` after the view into heads."""
+    flow = Dataflow(nodes)
+    by_name = {n.name: n for n in nodes}
+    stop = ("linear", "grouped_matmul", "matmul", "attention")
+    count = 0
+    for lin in up:
+        width = _out(lin)
+        if width <= head_dim:
+            continue
+        after = flow.downstream(lin.name, stop=lambda n: flow.op(n) in stop)
+        if any(by_name[m].op == "reduction" and by_name[m].input_shapes
+               and by_name[m].input_shapes[0] and by_name[m].input_shapes[0][-1] == width
+               and by_name[m].output_shape and by_name[m].output_shape[-1] == 1
+               for m in after):
+            count += 1
+    return count
 
 
 def _feeders(start: str, nodes: list[Node], names: set[str]) -> set[str]:
@@ -220,7 +263,10 @@ def _layer_ops(nodes: list[Node], tokens: int = 0) -> tuple[list[FusedOp], int]:
 
 
 def _signature(nodes: list[Node]) -> tuple:
-    return tuple((n.op, n.fused_op, tuple(tuple(p.shape) for p in n.params)) for n in nodes)
+    """Per node: op, fused op, parameter shapes and the attention window (a sliding-window
+    layer is a kind of its own even where its traced graph matches a full layer's)."""
+    return tuple((n.op, n.fused_op, tuple(tuple(p.shape) for p in n.params),
+                  n.attrs.get("attention_window")) for n in nodes)
 
 
 def group_layers(graph: Graph) -> Graph:
@@ -311,8 +357,9 @@ def decode_flops_per_token(graph: Graph, context: int) -> int:
         attn = k.op("attn_core")
         if attn:
             a = attn.attrs
-            per_layer += context * int(a.get("decode_flops_per_token_per_context",
-                                             a.get("flops_per_token_per_context", 0)))
+            read = int(attended_positions(context, op_window(a)))
+            per_layer += read * int(a.get("decode_flops_per_token_per_context",
+                                          a.get("flops_per_token_per_context", 0)))
         total += k.count * per_layer
     return total
 

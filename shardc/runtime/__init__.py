@@ -20,6 +20,7 @@ from shardc.runtime.apply import (
     submesh,
 )
 from shardc.runtime.experts import ExpertParallel
+from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.styles import (
     BatchSplitAttention,
     FullWidthNormParallel,
@@ -32,9 +33,11 @@ from shardc.runtime.styles import (
 )
 
 SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``--standalone``
+PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
-           "HeadParallelAttention", "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
-           "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
-           "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan", "decoder_layers",
-           "install_batch_split", "make_mesh", "parallelize_module", "submesh"]
+           "HeadParallelAttention", "PIPELINE_SOURCES", "PrepareHiddenStates",
+           "PrepareModuleInput", "Replicate", "ReplicateParallel", "RouterParallel",
+           "RowwiseParallel", "SOURCES", "Shard", "WeightColwiseParallel",
+           "WeightRowwiseParallel", "apply_plan", "decoder_layers", "install_batch_split",
+           "keep_stage", "make_mesh", "parallelize_module", "pipeline", "submesh"]

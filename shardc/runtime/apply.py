@@ -84,6 +84,8 @@ def install_batch_split(model: nn.Module, world_mesh, padding_ok: bool = True) -
         return DTensor.from_local(y.contiguous(), mesh, (Shard(0),), run_check=False).full_tensor()
 
     def post(mod, args, kwargs, out):
+        if out is None:  # a pipeline stage before the last: no logits here
+            return out
         if isinstance(out, torch.Tensor):
             return gather(out)
         out.logits = gather(out.logits)

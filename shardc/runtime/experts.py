@@ -4,7 +4,8 @@
 Tokens reach the experts' owners over ``ep`` after the per-expert counts are exchanged, with
 one uneven ``all_to_all_single`` carrying exactly the routed rows (no capacity padding) and
 one more back. Over ``tp`` the experts are column then row parallel (the module's own
-forward on the local shards, partial sums all-reduced), replicated, or -- HF gated experts
+forward on the local shards, the partial sums all-reduced once per token after the
+weighted top-k sum), replicated, or -- HF gated experts
 -- any other pair of choices, the activation moved between the two matmuls as the
 contract's walk says (:func:`_chain`).
 """
@@ -37,7 +38,8 @@ class ExpertParallel(ParallelStyle):
     per-expert counts exchanged (``all_to_all_single`` of ``E`` integers), the rows go to
     their experts' owners with one uneven ``all_to_all_single``, run through the module's
     own forward on the local weights (its activation, gating and layout), and come back with
-    one more. The tp partial sums are all-reduced at the experts; with ``token_rows`` (under
+    one more. The tp partial sums travel back as they are and are all-reduced over tp after
+    the weighted top-k sum, on ``T`` rows rather than ``T x top_k``; with ``token_rows`` (under
     sequence parallelism the block holds its tp rank's token rows) a tp split all-gathers
     over tp the rows each rank received for its experts and reduce-scatters the partial
     outputs back (:func:`_run_tp_rows`), as the cost model charges; replicated experts
@@ -83,7 +85,8 @@ class ExpertParallel(ParallelStyle):
         ep_group = device_mesh.get_group("ep") if "ep" in names else None
         tp_group = device_mesh.get_group("tp") if "tp" in names and tp > 1 else None
         rows_group = tp_group if self.token_rows and split else None
-        reduce_group = tp_group if split and rows_group is None else None
+        # col/row through the module's own forward: partial sums, reduced after the top-k sum
+        reduce_group = tp_group if split and rows_group is None and self.chain is None else None
 
         def run(rows, sizes):
             if self.chain is not None and split:
@@ -91,21 +94,22 @@ class ExpertParallel(ParallelStyle):
             if rows_group is not None:
                 return _run_tp_rows(module, forward_local, tuple(self.weights), rows, sizes,
                                     rows_group)
-            return _run_local(module, forward_local, tuple(self.weights), rows, sizes,
-                              reduce_group)
+            return _run_local(module, forward_local, tuple(self.weights), rows, sizes, None)
 
         def forward(hidden, top_k_index, top_k_weights):
             return _dispatch_compute_combine(run, hidden, top_k_index, top_k_weights,
                                              int(getattr(module, next(iter(self.weights))).shape[0]),
-                                             ep_group)
+                                             ep_group, reduce_group)
 
         module.forward = forward
         return module
 
 
-def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group) -> torch.Tensor:
+def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group,
+                              reduce_group=None) -> torch.Tensor:
     """Routed output [T, h] of tokens ``x`` [T, h] (see :class:`ExpertParallel`); ``run(rows,
-    sizes)`` computes this rank's experts on rows grouped by local expert."""
+    sizes)`` computes this rank's experts on rows grouped by local expert (tp partial sums
+    when ``reduce_group``: all-reduced over it after the weighted top-k sum)."""
     t, k = idx.shape
     if x.is_meta:  # shapes only (a fake process group): a balanced routing's counts, each
         # expert's rows rounded up (exact when E divides tokens x top_k)
@@ -141,7 +145,10 @@ def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group) 
         pairs = torch.empty_like(out)
         pairs[order] = out
     # as HF's experts: each weighted row cast to the activation dtype, then summed
-    return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+    out = (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+    if reduce_group is not None:  # tp partial sums reduced once per token, after the top-k sum
+        dist.all_reduce(out, group=reduce_group)
+    return out
 
 
 def _run_tp_rows(module, forward_local, names, rows: torch.Tensor, sizes: list[int],

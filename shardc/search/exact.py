@@ -6,9 +6,10 @@ Two exact reductions keep it tractable without assumptions beyond those stated:
 
 * **Batch pruning** (``monotone_batch=True``): a larger batch never uses less memory and
   never lowers TPOT/TTFT (invariants the cost model's tests pin), so batch sizes are swept
-  ascending per degree tuple and an op combination that was feasible at some batch and is
-  infeasible at batch b is not evaluated at larger batches. (Combinations never yet feasible
-  stay in: a small batch can be infeasible for other reasons, e.g. divisibility.)
+  ascending per degree tuple along each doubling chain of the grid (:func:`_batch_order`)
+  and an op combination that was feasible at some batch of the chain and is infeasible at
+  batch b is not evaluated at larger batches of it. (Combinations never yet feasible stay
+  in: a small batch can be infeasible for other reasons, e.g. divisibility.)
 * **Branch decomposition** (when the objective offers ``decomposed(...)``; see
   :mod:`shardc.search.decomposed`): op choices of independent branches are optimised apart.
 
@@ -52,6 +53,27 @@ def degree_tuples(sampler: LegalSampler) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def _batch_order(sampler: LegalSampler, monotone_batch: bool):
+    """Batch indices in sweep order, each doubling chain (values with the same odd part:
+    1, 2, 4, ...; 3, 6, 12, ...; 5, 10, 20, ...) ascending after a ``None`` marker. Batch
+    pruning is exact along a chain only: there a batch that divides evenly stays divisible at
+    the next value (twice it), so a combination feasible at b and infeasible at a larger
+    value of its chain failed a monotone check (memory, latency). Without pruning: one chain."""
+    values = list(sampler.space.values["batch"])
+    if not monotone_batch:
+        return [None, *sorted(range(len(values)), key=lambda i: values[i])]
+    chains: dict[int, list[int]] = {}
+    for i, v in enumerate(values):
+        odd = v
+        while odd % 2 == 0:
+            odd //= 2
+        chains.setdefault(odd, []).append(i)
+    out: list = []
+    for odd in sorted(chains):
+        out += [None, *sorted(chains[odd], key=lambda i: values[i])]
+    return out
+
+
 def search_exact(sampler: LegalSampler, budget: Budget, rng=None, *,
                  time_limit_s: float = EXACT_TIME_LIMIT_S, monotone_batch: bool = True,
                  chunk: int = 65536) -> None:
@@ -62,11 +84,13 @@ def search_exact(sampler: LegalSampler, budget: Budget, rng=None, *,
     for t, e, p, s in degree_tuples(sampler):
         if t not in combos_by_tp:
             combos_by_tp[t] = op_combinations(sampler, t)
-        alive = combos_by_tp[t]
-        seen = np.zeros(alive.shape[0], dtype=bool)
-        for b in range(sampler.nvec[BATCH]):
+        for b in _batch_order(sampler, monotone_batch):
+            if b is None:  # a new doubling chain: every combination alive again
+                alive = combos_by_tp[t]
+                seen = np.zeros(alive.shape[0], dtype=bool)
+                continue
             if alive.shape[0] == 0:
-                break
+                continue
             acts = np.zeros((alive.shape[0], n_comp), dtype=np.int64)
             acts[:, [TP, EP, PP, SP, BATCH]] = (t, e, p, s, b)
             acts[:, N_DEG:] = alive

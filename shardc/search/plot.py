@@ -19,7 +19,8 @@ def search_title(model: str, mesh: str, hardware: str, workload: dict, policy: s
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
-                      exact: float | None = None, title: str = "") -> str:
+                      exact: float | None = None, title: str = "",
+                      best_practice: float | None = None) -> str:
     """Draw and save the figure; returns the title it carries ("" if none)."""
     import matplotlib
 
@@ -36,6 +37,9 @@ def plot_search_curve(path, curves: dict, megatron: float | None = None,
     if megatron is not None:
         ax.axhline(megatron, color="tab:gray", linestyle="--", linewidth=1.2,
                    label=f"Megatron heuristic ({megatron:.1f})")
+    if best_practice is not None:
+        ax.axhline(best_practice, color="tab:brown", linestyle="-.", linewidth=1.2,
+                   label=f"best practice ({best_practice:.1f})")
     if exact is not None:
         ax.axhline(exact, color="black", linestyle=":", linewidth=1.2,
                    label=f"exact optimum ({exact:.1f})")

@@ -154,7 +154,7 @@ def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, l
     history = EliteHistory(sampler.n_comp, cfg.history)
     canonical = cfg.tp1_canonical and getattr(budget.objective, "op_choices_free_at_tp1", False)
     total = budget.remaining
-    chunk_evals = max(total // cfg.chunks, cfg.batch)
+    chunk_evals = max(-(-total // cfg.chunks), cfg.batch)  # a remainder is no extra life
     offsets = sampler.offsets
     chunk_id = 0
     while budget.remaining > 0:

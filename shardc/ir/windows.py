@@ -1,0 +1,36 @@
+"""Sliding-window attention arithmetic: how many positions a windowed attention core reads.
+
+A sliding-window layer with window ``W`` (tokens; transformers' mask: a query sees the keys
+less than ``W`` positions back, itself included) attends to ``min(position, W)`` keys at a
+1-based query position and holds at most ``W`` positions of each sequence's KV cache. The
+window is ``attn_core.attrs["window"]`` (:class:`shardc.ir.graph.FusedOp`); absent or None
+means full causal attention. Every function takes scalars or numpy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def op_window(attrs: dict) -> int | None:
+    """The sliding window (tokens) recorded in an ``attn_core``'s attrs, None for full
+    attention (absent, None or not positive)."""
+    w = attrs.get("window")
+    return int(w) if isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 else None
+
+
+def attended_positions(context, window: int | None):
+    """Positions a query at 1-based position ``context`` attends to (= cached positions a
+    decode step reads and a sequence's KV cache holds): ``min(context, window)``."""
+    return context if window is None else np.minimum(context, window)
+
+
+def causal_pairs(prompt, window: int | None):
+    """(query, key) pairs of causal attention over a prompt of ``prompt`` tokens, banded
+    to ``window``: ``sum_{i=1..prompt} min(i, window)`` -- ``prompt (prompt + 1) / 2``
+    without a window, ``m (m + 1) / 2 + (prompt - m) * window`` with ``m = min(prompt,
+    window)``."""
+    if window is None:
+        return prompt * (prompt + 1) / 2
+    m = np.minimum(prompt, window)
+    return m * (m + 1) / 2 + (prompt - m) * window

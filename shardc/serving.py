@@ -1,0 +1,482 @@
+"""The serving search (SPEC section 11): ``--phase serve``, aggregated or disaggregated pools.
+
+Each pool is searched in its own :class:`~shardc.ir.space.StrategySpace` with the pool's
+CostModel (:mod:`shardc.cost.serving`) through a :class:`PoolObjective`, which records every
+evaluated row (action, value, TPOT, TTFT, whether memory and divisibility pass, which search
+produced it). Everything reported is then *solved from the recorded rows*:
+
+* agg: the best row that meets both SLOs (its value is output tok/s/GPU of the mesh: dp
+  replicas tile it);
+* disagg: per prefill worker size the best prompts/s meeting TTFT (prefill + KV transfer),
+  per decode row its requests/s meeting TPOT, combined over worker ratios
+  (:func:`shardc.cost.serving.best_ratio`) -- the per-pool choices are independent given the
+  ratio, so searching each pool and combining is exact when each pool's search is;
+* the Pareto front: the same solve with the TPOT SLO lifted, upper envelope of (tok/s/user,
+  tok/s/GPU);
+* the SLO sensitivity: the same solve with both SLOs x0.8 and x1.2;
+* baselines: the same solve over the rows of the Megatron sweep only.
+
+The disaggregated pools are searched on half the mesh (a worker must leave room for the
+other pool), each with half the budget (a mode gets ``budget`` evaluations: agg one pool,
+disagg two); a pool's ``dp`` in the reported strategy is its number of workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from shardc.cost import CostModel
+from shardc.cost.model import NO_MEMORY, OK, TPOT_SLO, TTFT_SLO
+from shardc.cost.serving import (
+    best_ratio,
+    kv_transfer_s,
+    pool_cost_model,
+    pool_workload,
+    upper_envelope,
+)
+from shardc.errors import InfeasibleError, InputError
+from shardc.ir.graph import Graph
+from shardc.ir.space import StrategySpace
+from shardc.ir.strategy import Mesh, Strategy, Workload
+from shardc.search import POLICIES, run_search
+from shardc.search.objective import CostModelObjective
+
+SLO_MOVES = (0.8, 1.2)
+# running sequences per replica of a mixed or decode pool: powers of two and 1.5x between
+# (concurrency is what serving tunes; the 2x grid of the single-phase search is too coarse)
+SERVE_BATCHES = tuple(sorted({2**i for i in range(13)} | {3 * 2**i for i in range(11)}))
+EXACT_LIMIT_S = 20.0  # per pool, for the optimum fraction
+TOP_ALTERNATIVES = 5
+
+
+class PoolObjective(CostModelObjective):
+    """A pool's objective (value = the pool's tok/s/GPU: output tokens for mixed and decode,
+    prompt tokens for prefill) that records every evaluated row under the current ``tag``.
+    Prefill rows add the KV transfer of their worker size to TTFT before the SLO check."""
+
+    def __init__(self, cost_model: CostModel, space: StrategySpace, role: str,
+                 transfer=None):
+        super().__init__(cost_model, space)
+        self.role, self.transfer, self.tag = role, transfer, ""
+        self.rows: list[dict] = []
+
+    def __call__(self, actions):
+        a = np.atleast_2d(actions)
+        ev = self.cost_model.evaluate(a, self.space)
+        deg = self.space.degree_arrays(a)
+        gpus = deg["tp"] * deg["ep"] * deg["pp"]
+        ttft = np.asarray(ev.ttft_ms, dtype=float)
+        if self.role == "prefill" and self.transfer is not None:
+            ttft = ttft + self.transfer(gpus) * 1e3
+        fits = np.isin(ev.reason, (OK, TPOT_SLO, TTFT_SLO))
+        self.rows.append(dict(actions=a.copy(), value=np.asarray(ev.tok_s_per_gpu, float),
+                              tpot=np.asarray(ev.tpot_ms, float), ttft=ttft, fits=fits,
+                              memory=ev.reason == NO_MEMORY, gpus=gpus, batch=deg["batch"],
+                              tag=np.full(len(a), self.tag, dtype=object)))
+        wl = self.cost_model.workload
+        ok = self.feasible(self.rows[-1], wl.tpot_slo_ms, wl.ttft_slo_ms)
+        return np.asarray(ev.tok_s_per_gpu, float), ok
+
+    def feasible(self, r: dict, tpot_slo: float, ttft_slo: float) -> np.ndarray:
+        ok = r["fits"] & (r["value"] > 0)
+        if self.role in ("mixed", "decode"):
+            ok = ok & (r["tpot"] <= tpot_slo)
+        if self.role in ("mixed", "prefill"):
+            ok = ok & (r["ttft"] <= ttft_slo)
+        return ok
+
+    def table(self, tags=None) -> dict:
+        """The recorded rows (of the searches in ``tags``) as arrays."""
+        rows = [r for r in self.rows if len(r["value"])]
+        if not rows:
+            return {}
+        out = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        if tags is not None:
+            keep = np.isin(out["tag"], list(tags))
+            out = {k: v[keep] for k, v in out.items()}
+        return out
+
+
+@dataclass
+class PoolSearch:
+    role: str
+    space: StrategySpace
+    cost_model: CostModel
+    objective: PoolObjective
+    results: dict = field(default_factory=dict)  # tag -> SearchResult
+
+
+@dataclass
+class ServeChoice:
+    """One deployment: ``pools`` [(role, workers, Strategy, row dict)], predicted numbers."""
+
+    mode: str
+    pools: list
+    tok_s_per_gpu: float
+    tpot_ms: float
+    ttft_ms: float
+    req_s: float
+
+    @property
+    def tok_s_per_user(self) -> float:
+        return 1000.0 / self.tpot_ms if self.tpot_ms > 0 else 0.0
+
+    def describe(self) -> str:
+        parts = []
+        for role, workers, s, _ in self.pools:
+            d = s.degrees
+            deg = " ".join(f"{k}={getattr(d, k)}" for k in ("tp", "ep", "pp") if getattr(d, k) > 1)
+            parts.append(f"{role} {workers}x[{deg or 'tp=1'} batch={s.batch}]")
+        return f"{self.mode}: " + ", ".join(parts)
+
+    def predicted(self) -> dict:
+        return {"tok_s_per_gpu": float(self.tok_s_per_gpu),
+                "tok_s_per_user": float(self.tok_s_per_user), "ttft_ms": float(self.ttft_ms),
+                "tpot_ms": float(self.tpot_ms), "req_s": float(self.req_s)}
+
+
+@dataclass
+class ServeOutcome:
+    workload: Workload
+    mesh: Mesh
+    choice: ServeChoice
+    by_mode: dict  # mode -> ServeChoice | None (the searcher's)
+    pools: dict  # role -> PoolSearch
+    megatron: ServeChoice | None
+    best_practice: ServeChoice | None
+    exact: ServeChoice | None
+    exact_complete: bool
+    pareto: dict  # mode -> [point dicts]
+    alternatives: list
+    binding: str
+    slo_moves: list
+    chosen_from: str = "rl"
+    own: ServeChoice | None = None  # the searcher's own best (without the Megatron sweep's)
+    pool_plans: dict = field(default_factory=dict)  # role -> Plan (filled by shardc.api)
+
+
+# ------------------------------------------------------------------------------ solving
+def _strategy(pool: PoolSearch, action, workers: int) -> Strategy:
+    s = pool.space.decode(action)
+    return Strategy(replace(s.degrees, dp=int(workers)), s.batch, s.choices)
+
+
+def solve_agg(pool: PoolSearch, tags, tpot_slo: float, ttft_slo: float,
+              mesh_gpus: int, osl: int) -> ServeChoice | None:
+    t = pool.objective.table(tags)
+    if not t:
+        return None
+    ok = pool.objective.feasible(t, tpot_slo, ttft_slo)
+    if not ok.any():
+        return None
+    i = int(np.argmax(np.where(ok, t["value"], -np.inf)))
+    workers = mesh_gpus // int(t["gpus"][i])
+    s = _strategy(pool, t["actions"][i], workers)
+    v = float(t["value"][i])
+    return ServeChoice("agg", [("mixed", workers, s, _row(t, i))], v, float(t["tpot"][i]),
+                       float(t["ttft"][i]), v * mesh_gpus / osl)
+
+
+def _row(t: dict, i: int) -> dict:
+    return {k: (v[i] if k != "actions" else v[i].copy()) for k, v in t.items()}
+
+
+def _best_prefill(pool: PoolSearch, tags, ttft_slo: float, isl: int) -> dict:
+    """worker GPUs -> (prompts/s of the best worker, row index, table)."""
+    t = pool.objective.table(tags)
+    out = {}
+    if not t:
+        return out
+    ok = pool.objective.feasible(t, np.inf, ttft_slo)
+    rate = np.where(ok, t["value"] * t["gpus"] / isl, -np.inf)
+    for g in np.unique(t["gpus"][ok]):
+        idx = np.flatnonzero(t["gpus"] == g)
+        i = int(idx[np.argmax(rate[idx])])
+        out[int(g)] = (float(rate[i]), i, t)
+    return out
+
+
+def disagg_points(prefill: PoolSearch, decode: PoolSearch, tags, tpot_slo: float,
+                  ttft_slo: float, mesh_gpus: int, wl: Workload) -> list[ServeChoice]:
+    """Every decode row on the (TPOT, requests/s) front of its worker size, meeting
+    ``tpot_slo``, combined with the best prefill workers and ratio."""
+    best_p = _best_prefill(prefill, tags, ttft_slo, wl.isl)
+    t = decode.objective.table(tags)
+    if not best_p or not t:
+        return []
+    ok = decode.objective.feasible(t, tpot_slo, np.inf)
+    rate = t["value"] * t["gpus"] / wl.osl
+    out = []
+    for g in np.unique(t["gpus"][ok]):
+        idx = np.flatnonzero(ok & (t["gpus"] == g))
+        idx = idx[np.lexsort((-rate[idx], t["tpot"][idx]))]  # fastest first
+        best_rate = -np.inf
+        for i in idx:  # keep rows not beaten by a faster one
+            if rate[i] <= best_rate:
+                continue
+            best_rate = rate[i]
+            combo = best_ratio({k: v[0] for k, v in best_p.items()}, int(g), float(rate[i]),
+                               mesh_gpus)
+            if combo is None:
+                continue
+            gp, x, y, req = combo
+            p_rate, pi, pt = best_p[gp]
+            pools = [("prefill", x, _strategy(prefill, pt["actions"][pi], x), _row(pt, pi)),
+                     ("decode", y, _strategy(decode, t["actions"][i], y), _row(t, int(i)))]
+            out.append(ServeChoice("disagg", pools, req * wl.osl / mesh_gpus,
+                                   float(t["tpot"][i]), float(pt["ttft"][pi]), req))
+    return out
+
+
+def solve_disagg(prefill, decode, tags, tpot_slo, ttft_slo, mesh_gpus, wl):
+    pts = disagg_points(prefill, decode, tags, tpot_slo, ttft_slo, mesh_gpus, wl)
+    return max(pts, key=lambda c: c.tok_s_per_gpu) if pts else None
+
+
+# ----------------------------------------------------------------------------- searching
+def half_mesh(mesh: Mesh) -> Mesh | None:
+    """The mesh a disaggregated pool's workers are searched on (half the GPUs), or None."""
+    if mesh.nodes > 1:
+        return Mesh(mesh.gpus_per_node, mesh.nodes // 2)
+    return Mesh(mesh.gpus_per_node // 2, 1) if mesh.gpus_per_node > 1 else None
+
+
+def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progress,
+                 extra_policies, full_mesh: Mesh | None = None, kernel_options=None,
+                 tp_domain: int | None = None) -> PoolSearch:
+    """Search one pool on ``mesh``: the Megatron sweep, ``policy`` and ``extra_policies``,
+    each row recorded under its policy's tag (prefill TTFT adds the KV transfer on
+    ``full_mesh``, the physical mesh; ``kernel_options``: the CostModel's ``kernels`` /
+    ``engine``; ``tp_domain``: :func:`shardc.ir.space.nvlink_tp_domain`)."""
+    pw = pool_workload(wl, role)
+    space = StrategySpace(graph, mesh, pw, fixed=dict(fixed or {}), tp_domain=tp_domain)
+    if role != "prefill":
+        space.values["batch"] = capped_batches(SERVE_BATCHES, wl.batch)
+    cm = pool_cost_model(graph, mesh, hw, wl, role, **(kernel_options or {}))
+    transfer = None
+    if role == "prefill":
+        def transfer(gpus):
+            return kv_transfer_s(graph, full_mesh or mesh, hw, wl.isl, gpus)
+    obj = PoolObjective(cm, space, role, transfer)
+    pool = PoolSearch(role, space, cm, obj)
+    for tag in dict.fromkeys(["megatron", policy, *extra_policies]):
+        obj.tag = tag
+        opts = {"time_limit_s": EXACT_LIMIT_S} if tag == "exact" and policy != "exact" else {}
+        pool.results[tag] = run_search(tag, space, obj, budget=budget, seed=seed,
+                                       progress=progress if tag == policy else None, **opts)
+    return pool
+
+
+def capped_batches(grid, cap: int | None) -> list[int]:
+    """The batch candidates of a mixed or decode pool under ``--batch cap`` (running
+    sequences per replica): the grid values below the cap, and the cap (the grid if None)."""
+    if cap is None:
+        return list(grid)
+    return sorted({b for b in grid if b < cap} | {int(cap)})
+
+
+def check_serve_positions(graph: Graph, wl: Workload) -> None:
+    """InputError when a request (``isl + osl`` tokens) is longer than the model's
+    ``max_position_embeddings`` (as ``--context`` is checked in decode)."""
+    limit = int(graph.config.get("max_position_embeddings", 0) or 0)
+    if limit and wl.isl + wl.osl > limit:
+        raise InputError(f"--isl {wl.isl} + --osl {wl.osl} = {wl.isl + wl.osl} tokens is "
+                         f"longer than {graph.name or 'the model'}'s max_position_embeddings "
+                         f"{limit}")
+
+
+def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str = "rl",
+                 budget: int = 4000, seed: int = 0, progress=None,
+                 fixed: dict | None = None, extra_policies=None, kernels: str = "silicon",
+                 engine: str = "vllm", allow_cross_node_tp: bool = False) -> ServeOutcome:
+    """Search the serving deployment (``wl.phase == "serve"``); InfeasibleError if neither
+    mode meets the SLOs (naming what binds). The Megatron sweep always runs;
+    ``extra_policies`` (default: ``best_practice`` where search/ has it, and ``exact`` for
+    the optimum fraction, time-limited) run besides ``policy``. ``kernels`` / ``engine``: what
+    prices the ops; tp stays in one NVLink domain unless ``allow_cross_node_tp``."""
+    from shardc.cost import load_hardware
+    from shardc.cost.capacity import gpus_short_message
+    from shardc.ir.space import nvlink_tp_domain
+
+    hardware = load_hardware(hardware)
+    pool_options = {"kernel_options": {"kernels": kernels, "engine": engine},
+                    "tp_domain": nvlink_tp_domain(mesh, hardware.nvlink_domain,
+                                                  allow_cross_node_tp)}
+
+    check_serve_positions(graph, wl)
+    short = gpus_short_message(graph, replace(wl, batch=1), hardware, mesh.gpus)
+    if short:
+        raise InfeasibleError(short)
+    if extra_policies is None:
+        extra_policies = ("best_practice", "exact")
+    extra = [p for p in extra_policies if p in POLICIES and p != policy]
+    modes = ("agg", "disagg") if wl.mode == "auto" else (wl.mode,)
+    pools: dict[str, PoolSearch] = {}
+    if "agg" in modes:
+        pools["mixed"] = _search_pool(graph, mesh, hardware, wl, "mixed", policy, budget, seed,
+                                      fixed, progress, extra, **pool_options)
+    half = half_mesh(mesh)
+    if "disagg" in modes and half is not None:
+        if fixed and "dp" in fixed:
+            raise InputError("--degrees dp: a disaggregated pool's dp is its worker count; "
+                             "fix tp/ep/pp, or use --mode agg")
+        for role in ("prefill", "decode"):
+            try:
+                pools[role] = _search_pool(graph, half, hardware, wl, role, policy,
+                                           max(budget // 2, 1), seed, fixed, None, extra,
+                                           full_mesh=mesh, **pool_options)
+            except InputError as e:
+                if wl.mode == "disagg":
+                    raise InputError(f"{e} (--mode disagg: a pool's worker has at most "
+                                     f"{half.gpus} of the {mesh.gpus} GPUs)") from None
+                pools.pop("prefill", None)
+                break
+    elif wl.mode == "disagg":
+        raise InputError(f"--mode disagg: mesh {mesh} has one GPU; a prefill and a decode pool "
+                         "need at least two")
+    G = mesh.gpus
+
+    def solve(tags, scale=1.0, tpot=None):
+        tpot_slo = wl.tpot_slo_ms * scale if tpot is None else tpot
+        ttft_slo = wl.ttft_slo_ms * scale
+        out = {}
+        if "mixed" in pools:
+            out["agg"] = solve_agg(pools["mixed"], tags, tpot_slo, ttft_slo, G, wl.osl)
+        if "decode" in pools:
+            out["disagg"] = solve_disagg(pools["prefill"], pools["decode"], tags, tpot_slo,
+                                         ttft_slo, G, wl)
+        return out
+
+    def best(by_mode):
+        got = [c for c in by_mode.values() if c is not None]
+        return max(got, key=lambda c: c.tok_s_per_gpu) if got else None
+
+    baselines = [t for t in ("megatron", "best_practice") if t == "megatron" or t in extra]
+    searched = solve({policy, *baselines})  # never a plan worse than a baseline of the run
+    choice = best(searched)
+    if choice is None:
+        raise InfeasibleError(_nothing_fits(wl, mesh, pools))
+    own = best(solve({policy}))
+    base = {t: best(solve({t})) for t in baselines}
+    chosen_from = policy
+    for t, c in base.items():
+        if c is not None and c.tok_s_per_gpu > max(
+                [own.tok_s_per_gpu if own else -1.0]
+                + [b.tok_s_per_gpu for u, b in base.items() if b is not None and u != t]):
+            chosen_from = t
+    mega = base["megatron"]
+    bp = own if policy == "best_practice" else base.get("best_practice")
+    exact, complete = None, False
+    if "exact" in (policy, *extra):
+        exact = best(solve({"exact", "megatron"}))
+        complete = all(p.results["exact"].complete for p in pools.values())
+    everything = set().union(*(p.results for p in pools.values()))
+    pareto = {}
+    if "mixed" in pools:
+        pts = _agg_points(pools["mixed"], everything, wl, G)
+        pareto["agg"] = [_point(c) for c in upper_envelope(pts, "user", "gpu")
+                         for c in [c["choice"]]]
+    if "decode" in pools:
+        pts = disagg_points(pools["prefill"], pools["decode"], everything, np.inf,
+                            wl.ttft_slo_ms, G, wl)
+        pareto["disagg"] = [_point(c) for c in upper_envelope(
+            [{"user": c.tok_s_per_user, "gpu": c.tok_s_per_gpu, "choice": c} for c in pts],
+            "user", "gpu") for c in [c["choice"]]]
+    moves = []
+    for scale in SLO_MOVES:
+        alt = best(solve(everything, scale))
+        moves.append({"slo_scale": scale,
+                      "tpot_slo_ms": wl.tpot_slo_ms * scale, "ttft_slo_ms": wl.ttft_slo_ms * scale,
+                      "plan": alt.describe() if alt else None,
+                      "tok_s_per_gpu": alt.tok_s_per_gpu if alt else None,
+                      "changes": bool(alt and alt.describe() != choice.describe())})
+    return ServeOutcome(wl, mesh, choice, searched, pools, mega, bp, exact, complete, pareto,
+                        _alternatives(choice, pools, everything, wl, G),
+                        binding_constraint(choice, pools, wl), moves, chosen_from, own)
+
+
+def _agg_points(pool: PoolSearch, tags, wl: Workload, G: int) -> list[dict]:
+    t = pool.objective.table(tags)
+    if not t:
+        return []
+    ok = pool.objective.feasible(t, np.inf, wl.ttft_slo_ms)
+    out = {}
+    for i in np.flatnonzero(ok):
+        key = (round(float(t["tpot"][i]), 9), round(float(t["value"][i]), 9))
+        if key not in out:
+            workers = G // int(t["gpus"][i])
+            c = ServeChoice("agg", [("mixed", workers, _strategy(pool, t["actions"][i], workers),
+                                     _row(t, int(i)))], float(t["value"][i]),
+                            float(t["tpot"][i]), float(t["ttft"][i]),
+                            float(t["value"][i]) * G / wl.osl)
+            out[key] = {"user": c.tok_s_per_user, "gpu": c.tok_s_per_gpu, "choice": c}
+    return list(out.values())
+
+
+def _point(c: ServeChoice) -> dict:
+    return {**c.predicted(), "plan": c.describe()}
+
+
+def _alternatives(choice: ServeChoice, pools, tags, wl: Workload, G: int) -> list[dict]:
+    """The best plans of other shapes (distinct describe()) meeting the SLOs, with deltas."""
+    cands = []
+    if "mixed" in pools:
+        cands += [p["choice"] for p in _agg_points(pools["mixed"], tags, wl, G)
+                  if p["choice"].tpot_ms <= wl.tpot_slo_ms]
+    if "decode" in pools:
+        cands += disagg_points(pools["prefill"], pools["decode"], tags, wl.tpot_slo_ms,
+                               wl.ttft_slo_ms, G, wl)
+    seen, out = {choice.describe()}, []
+    for c in sorted(cands, key=lambda c: (-c.tok_s_per_gpu, c.describe())):
+        if c.describe() in seen:
+            continue
+        seen.add(c.describe())
+        out.append({**_point(c), "delta_pct": 100.0 * (c.tok_s_per_gpu / choice.tok_s_per_gpu - 1)})
+        if len(out) >= TOP_ALTERNATIVES:
+            break
+    return out
+
+
+def binding_constraint(choice: ServeChoice, pools, wl: Workload) -> str:
+    """What stops the throughput-setting pool (mixed / decode) from running the next larger
+    batch candidate (one that divides over its pp x ep micro-batches): ``memory``, ``TPOT``
+    or ``TTFT`` (``batch grid`` past the largest candidate, ``--batch cap`` at the user's)."""
+    role, _, strategy, _ = choice.pools[-1]
+    pool = pools[role]
+    d = strategy.degrees
+    larger = [b for b in pool.space.values["batch"]
+              if b > strategy.batch and b % (d.pp * d.ep) == 0]
+    if not larger:
+        return "--batch cap" if wl.batch and strategy.batch >= wl.batch else "batch grid"
+    s = Strategy(replace(d, dp=pool.space.mesh.gpus // d.replica_gpus), larger[0],
+                 strategy.choices)
+    ev = pool.cost_model.evaluate(pool.space.encode(s)[None, :], pool.space)
+    code = int(ev.reason[0])
+    if code == NO_MEMORY:
+        return "memory"
+    if code == TPOT_SLO or float(ev.tpot_ms[0]) > wl.tpot_slo_ms:
+        return "TPOT"
+    if code == TTFT_SLO:
+        return "TTFT"
+    return "batch divisibility" if code != OK else "none"
+
+
+def _nothing_fits(wl: Workload, mesh: Mesh, pools: dict) -> str:
+    """Why no serving plan meets the SLOs: the closest rows of each pool."""
+    parts = []
+    for role, pool in pools.items():
+        t = pool.objective.table()
+        if not t or not t["fits"].any():
+            parts.append(f"{role}: nothing fits in HBM")
+            continue
+        fits = t["fits"]
+        if role != "prefill":
+            parts.append(f"{role}: best TPOT {np.nanmin(np.where(fits, t['tpot'], np.inf)):.3g} "
+                         f"ms (SLO {wl.tpot_slo_ms:g})")
+        if role != "decode":
+            parts.append(f"{role}: best TTFT {np.nanmin(np.where(fits, t['ttft'], np.inf)):.3g} "
+                         f"ms (SLO {wl.ttft_slo_ms:g})")
+    return (f"no serving plan on {mesh} meets TTFT <= {wl.ttft_slo_ms:g} ms and TPOT <= "
+            f"{wl.tpot_slo_ms:g} ms for {wl.isl}/{wl.osl} tokens: " + "; ".join(parts))

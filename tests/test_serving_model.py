@@ -1,0 +1,109 @@
+"""The serving cost (shardc.cost.serving): the aggregated mixed step and the disaggregated
+pools reduce to the decode model in their limits; the Pareto envelope is monotone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardc.cost import CostModel
+from shardc.cost.serving import (
+    best_ratio,
+    kv_transfer_s,
+    pool_cost_model,
+    pool_workload,
+    upper_envelope,
+)
+from shardc.ir.space import StrategySpace
+from shardc.ir.strategy import Mesh, Workload
+from shardc.search.legal import LegalSampler
+from tests.cost_graphs import fixture_graph
+
+MESH = Mesh.parse("8x1")
+SERVE = Workload(phase="serve", isl=2048, osl=512, tpot_slo_ms=1e6, ttft_slo_ms=1e6)
+
+
+def _actions(space, n=256, seed=0):
+    return LegalSampler(space).sample(n, np.random.default_rng(seed))
+
+
+def _decode_twin(graph, wl):
+    """Today's decode model at the decode step's attended context (isl + osl/2)."""
+    dec = Workload(phase="decode", context=wl.isl + wl.osl // 2, tpot_slo_ms=1e6)
+    return CostModel(graph, MESH, "h100", dec), StrategySpace(graph, MESH, dec)
+
+
+@pytest.mark.parametrize("name", ["llama3_70b", "mixtral_8x7b"])
+def test_agg_without_prefill_is_the_decode_step(name):
+    g = fixture_graph(name)
+    space = StrategySpace(g, MESH, pool_workload(SERVE, "mixed"))
+    acts = _actions(space)
+    none = pool_cost_model(g, MESH, "h100", SERVE, "mixed", mixed_prefill=0.0).evaluate(acts, space)
+    cm_d, space_d = _decode_twin(g, SERVE)
+    dec = cm_d.evaluate(acts, space_d)
+    ok = np.isfinite(dec.tpot_ms) & (dec.tok_s_per_gpu > 0)
+    assert ok.sum() > 50
+    np.testing.assert_allclose(none.tpot_ms[ok], dec.tpot_ms[ok], rtol=1e-12)
+    np.testing.assert_allclose(none.tok_s_per_gpu[ok], dec.tok_s_per_gpu[ok], rtol=1e-12)
+    # the real mixed step carries the prompt chunks: strictly slower, and it has a TTFT
+    mixed = pool_cost_model(g, MESH, "h100", SERVE, "mixed").evaluate(acts, space)
+    assert (mixed.tpot_ms[ok] > dec.tpot_ms[ok]).all()
+    assert np.isfinite(mixed.ttft_ms[ok]).all() and np.isnan(dec.ttft_ms[ok]).all()
+
+
+def test_agg_ttft_spreads_the_prompt_over_steps():
+    g = fixture_graph("llama3_70b")
+    space = StrategySpace(g, MESH, pool_workload(SERVE, "mixed"))
+    cm = pool_cost_model(g, MESH, "h100", SERVE, "mixed")
+    acts = _actions(space)
+    ev = cm.evaluate(acts, space)
+    deg = space.degree_arrays(acts)
+    chunk = deg["batch"] / deg["pp"] / deg["ep"] * SERVE.isl / SERVE.osl
+    steps = np.ceil(SERVE.isl / chunk - 1e-9)
+    ok = deg["dp"] > 0
+    np.testing.assert_allclose(ev.ttft_ms[ok], ((steps + 0.5) * ev.tpot_ms)[ok], rtol=1e-12)
+
+
+def test_disagg_with_free_network_and_prefill_is_the_decode_model():
+    g = fixture_graph("llama3_70b")
+    space = StrategySpace(g, MESH, pool_workload(SERVE, "decode"))
+    acts = _actions(space)
+    pool = pool_cost_model(g, MESH, "h100", SERVE, "decode").evaluate(acts, space)
+    cm_d, space_d = _decode_twin(g, SERVE)
+    dec = cm_d.evaluate(acts, space_d)
+    assert kv_transfer_s(g, MESH, "h100", SERVE.isl, 4, bandwidth_scale=np.inf) == 0.0
+    deg = space.degree_arrays(acts)
+    checked = 0
+    for i in np.flatnonzero((dec.tok_s_per_gpu > 0) & np.isfinite(dec.tpot_ms))[:40]:
+        assert pool.tpot_ms[i] == pytest.approx(dec.tpot_ms[i], rel=1e-12)
+        gpus = int(deg["tp"][i] * deg["ep"][i] * deg["pp"][i])
+        rate = pool.tok_s_per_gpu[i] * gpus / SERVE.osl  # requests/s of one decode worker
+        g_p, x, y, req = best_ratio({0: np.inf}, gpus, rate, MESH.gpus)
+        assert (g_p, y) == (0, MESH.gpus // gpus)
+        assert req * SERVE.osl / MESH.gpus == pytest.approx(dec.tok_s_per_gpu[i], rel=1e-12)
+        checked += 1
+    assert checked >= 10
+
+
+def test_best_ratio_balances_the_pools():
+    # prefill worker 2 GPUs at 3 req/s, decode worker 2 GPUs at 1 req/s on 8 GPUs:
+    # 1 prefill + 3 decode workers -> min(3, 3) = 3 req/s
+    assert best_ratio({2: 3.0}, 2, 1.0, 8) == (2, 1, 3, 3.0)
+    assert best_ratio({8: 3.0}, 2, 1.0, 8) is None  # nothing left for decode
+    # a slow prefill (0.5 req/s per worker): 2 prefill workers feed one decode worker; no
+    # second decode worker is deployed to sit idle, and 2 GPUs stay free
+    assert best_ratio({2: 0.5}, 2, 1.0, 8) == (2, 2, 1, 1.0)
+
+
+def test_upper_envelope_is_monotone_and_dominates():
+    rng = np.random.default_rng(0)
+    pts = [{"tok_s_per_user": float(u), "tok_s_per_gpu": float(v)}
+           for u, v in zip(rng.uniform(1, 100, 300), rng.uniform(1, 1000, 300))]
+    front = upper_envelope(pts)
+    xs = [p["tok_s_per_user"] for p in front]
+    ys = [p["tok_s_per_gpu"] for p in front]
+    assert xs == sorted(xs) and len(set(xs)) == len(xs)
+    assert all(a > b for a, b in zip(ys, ys[1:]))
+    for p in pts:  # every point is matched or beaten by a front point at least as fast
+        assert any(f["tok_s_per_user"] >= p["tok_s_per_user"]
+                   and f["tok_s_per_gpu"] >= p["tok_s_per_gpu"] for f in front)
