@@ -7,7 +7,10 @@
 
 Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
 list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers}]``
-and ``params [{fqn, shape, placements, local_shape, stage}]`` (what every rank holds);
+and ``params [{fqn, shape, placements, local_shape, stage, op, layer, split_dims}]`` (what
+every rank holds; the fused op, decoder layer and the tensor dim each choice cuts come from
+the graph, :mod:`shardc.ir.param_roles`, with ``expert_dim`` / ``parts`` / ``tied`` where
+they apply; a plan without them still loads: :func:`shardc.backends.layout.rows_with_ops`);
 every ``nodes`` entry also has ``inputs`` (producer node names) and ``token_dims``, and its
 ``shape`` is at the plan's workload (one decode step / one prefill pass of one replica, see
 :mod:`shardc.ir.token_dims`), not the traced example's.
@@ -225,8 +228,7 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers)}
                      for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
-        params=param_plan([(p.fqn, list(p.shape)) for p in g.params], strategy, kind_of_layer,
-                          kv_heads=int(g.config.get("kv_heads", 0) or 0)),
+        params=param_plan(g, strategy, kind_of_layer),  # KV heads: from the IR
         nodes=nodes, predicted=dict(predicted or {}), baseline=dict(baseline or {}),
         search=dict(search or {}), serving=dict(serving or {}))
 

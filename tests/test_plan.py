@@ -106,8 +106,9 @@ def test_emitted_code_is_ruff_clean_and_readable(mixtral, tmp_path):
     assert "def parallelize(model, world_mesh=None):" in code
     assert "init_device_mesh(device, MESH_SHAPE, mesh_dim_names=MESH_DIM_NAMES)" in code
     assert "MESH_DIM_NAMES = ('ep', 'tp')" in code
-    assert "for i in sharder.layers_of('moe_block'):" in code
-    assert "dispatch + combine all_to_all over ep=2" in code
+    assert "for i in LAYER_KINDS['moe_block']:" in code
+    assert "ExpertParallel(tp_split=True, token_rows=True)" in code  # experts col/row under sp
+    assert "dispatch + combine over ep=2" in code
 
 
 def test_verify_reports_mismatch_in_one_line(mixtral, tmp_path, monkeypatch, capsys):

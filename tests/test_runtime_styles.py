@@ -350,23 +350,18 @@ def test_uncovered_plan_is_refused_naming_what(degrees, choices, what):
 def test_uncovered_router_and_family_refused(tmp_path):
     from shardc.errors import InputError
 
-    plan = build(MIXTRAL, {"ep": 2, "tp": 2}, _with(MOE, M, router="col"))
-    with pytest.raises(InputError, match="router col"):
-        plan.code(standalone=True)
-    plan = build(MIXTRAL, {"ep": 2, "tp": 2}, _with(MOE, M, expert_ffn2="col"))
+    plan = build(MIXTRAL, {"ep": 2, "tp": 2, "sp": 2}, _with(MOE, M, expert_ffn2="col"))
     with pytest.raises(InputError, match="experts col/col"):
         plan.code(standalone=True)
-    plan = build(MIXTRAL, {"ep": 2, "tp": 2, "sp": 2}, MOE)
-    with pytest.raises(InputError, match="col/row experts under sequence parallelism"):
-        plan.code(standalone=True)
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile",
-                        str(ROOT / "examples" / "configs" / "gpt2" / "config.json"), "--mesh",
-                        "2x1", "--search", "megatron", "--context", "512", "--standalone",
-                        "--quiet", "--out", str(tmp_path / "o")],
+    # pipeline stages outside an HF causal LM's layout (GPT-2's transformer.h)
+    gpt2 = str(ROOT / "examples" / "configs" / "gpt2" / "config.json")
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", gpt2, "--mesh", "4x1",
+                        "--search", "megatron", "--degrees", "tp=2,pp=2", "--context", "512",
+                        "--standalone", "--quiet", "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("shardc: error: --standalone: gpt2:") and "Traceback" not in r.stderr
-    assert "covered: HF Llama-style" in r.stderr
+    assert r.stderr.startswith("shardc: error: --standalone: pp=2: decoder layers under "
+                               "'transformer.h'") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 

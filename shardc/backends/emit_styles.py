@@ -20,6 +20,7 @@ names and module suffixes (from plan.json) as literals (``_literal``), comments 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
@@ -33,8 +34,10 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "PrepareModuleInput": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
-_RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "ReplicateParallel", "decoder_layers",
-                  "install_batch_split", "keep_stage", "pipeline", "submesh")
+_RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "FullWidthNormParallel",
+                  "HeadParallelAttention", "PrepareHiddenStates", "ReplicateParallel",
+                  "RouterParallel", "WeightColwiseParallel", "WeightRowwiseParallel",
+                  "decoder_layers", "install_batch_split", "keep_stage", "pipeline", "submesh")
 _STANDALONE_NOTE = ("\n\nStandalone: imports only torch; shardc's few ParallelStyles (what torch "
                     "lacks) are\ninlined below, ahead of the plan.")
 
@@ -115,7 +118,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     if sp.expert_mesh:
         body.append("    expert_mesh = submesh(world_mesh, ('ep', 'tp'))  # experts: ep x tp")
     if any(kp.entries or kp.experts is not None for kp in sp.kinds):
-        body.append("    layers = decoder_layers(model)")
+        body.append(f"    layers = decoder_layers(model, {_literal(sp.layers)})")
     for kp in sp.kinds:
         body.append(_comment(f"{kp.kind} x {len(kp.layers)}"))
         body += [_comment(f"  {n}") for n in kp.notes]
@@ -130,8 +133,9 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             body.append("        }, src_data_rank=None)")
         if kp.experts is not None:
             body.append(f"        # {_comment(kp.experts.comment, 0)[2:]}")
-            body.append(f"        parallelize_module(layers[i].mlp.experts, expert_mesh, "
-                        f"{kp.experts.style}, src_data_rank=None)")
+            body.append(f"        parallelize_module(layers[i].get_submodule("
+                        f"{_literal(kp.experts.suffix)}), expert_mesh, {kp.experts.style}, "
+                        "src_data_rank=None)")
     for head, entries in (pipe.model_blocks(sp.model_entries) if pipe else
                           [("", sp.model_entries)] if sp.model_entries else []):
         pad = "    " * (1 + bool(head))
@@ -158,7 +162,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
                       f"LAYER_KINDS = {_literal(_ranges(kinds))}",
                       f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"]
                      + ([pipe.data()] if pipe else []))
-    used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if n + "(" in code_text}
+    used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if re.search(rf"\b{n}\(", code_text)}
     straight: set[str] = {"torch"}
     froms: dict[str, set[str]] = {"torch.distributed.device_mesh": {"init_device_mesh"}}
     runtime = ""

@@ -3,12 +3,15 @@
 The strategy speaks in op terms (``shardc.ir.strategy``): choice 0 shards the op's weight
 "dim 0" (output features for a linear, vocab for the embedding), choice 1 its "dim 1"
 (input features / hidden), choice 2 replicates. How those map onto a real parameter tensor
-depends on how the model stores it (DeepSeek's MLA ``qkv`` shards only its up projections
-``q_b_proj`` / ``kv_b_proj``; the low-rank down projections stay replicated): ``nn.Linear`` keeps ``[out, in]``, GPT-MoE's experts
-keep ``[E, in, out]``, HF Mixtral's ``[E, out, in]``. :data:`PARAM_ROLES` is that table,
-keyed by parameter-name patterns; the runtime (:mod:`shardc.backends.runtime`) and
-``plan.json`` (:func:`param_plan`) both read it, so the shapes the plan promises are the
-shapes the runtime makes.
+depends on how the model stores it (``nn.Linear`` keeps ``[out, in]``, GPT-2's Conv1D
+``[in, out]``, GPT-MoE's experts ``[E, in, out]``, HF Mixtral's ``[E, out, in]``; DeepSeek's
+MLA ``qkv`` shards only its up projections). plan.json's ``params`` rows (:func:`param_plan`)
+take it from the graph (:mod:`shardc.ir.param_roles`: the fused op reading the parameter and
+the dims as it reads them), and the torch-style runtime reads those rows.
+:data:`PARAM_ROLES`, keyed by parameter-name patterns, is the older table: the first runtime
+(:mod:`shardc.backends.runtime`, which has no graph at run time) places parameters with it,
+and rows of a plan written before the IR fields existed get them from it
+(:func:`rows_with_ops`).
 
 Placements here are per *SPMD* mesh dim: the logical mesh without ``pp`` (pipeline stages
 hold whole parameters; the stage split is :func:`shardc.ir.strategy.pipeline_stages`).
@@ -125,18 +128,46 @@ _KV_PROJ = re.compile(r"self_attn\.[kv]_proj\.(weight|bias)$")
 
 def kv_head_repeat(fqn: str, strategy: Strategy, kind_of_layer: dict[int, str],
                    kv_heads: int) -> int:
-    """How many times each KV head of the k / v projection ``fqn`` is repeated before its
-    tp split: ``tp / kv_heads`` for GQA with tp > kv_heads when the layer's qkv is column
-    split (``col``) into attention split by heads -- each rank then holds the one KV head its
-    query heads read (:func:`shardc.ir.contract.kv_head_replicas`, as vLLM places it; the
-    runtime places the repeated ``[kv_heads x repeat x head_dim, ...]`` tensor, so the local
-    shape is one KV head) --, else 1."""
+    """:func:`kv_repeat` of the parameter ``fqn`` told by its name (the first runtime, which
+    has no graph: ``self_attn.k_proj`` / ``v_proj``)."""
+    return kv_repeat(bool(_KV_PROJ.search(fqn)), layer_of(fqn), strategy, kind_of_layer,
+                     kv_heads)
+
+
+def kv_repeat(is_kv: bool, layer: int | None, strategy: Strategy,
+              kind_of_layer: dict[int, str], kv_heads: int) -> int:
+    """How many times each KV head of a k / v projection (``is_kv``) of decoder layer
+    ``layer`` is repeated before its tp split: ``tp / kv_heads`` for GQA with tp > kv_heads
+    when the layer's qkv is column split (``col``) into attention split by heads -- each rank
+    then holds the one KV head its query heads read
+    (:func:`shardc.ir.contract.kv_head_replicas`, as vLLM places it; the runtime places the
+    repeated ``[kv_heads x repeat x head_dim, ...]`` tensor, so the local shape is one KV
+    head) --, else 1."""
     tp = strategy.degrees.tp
-    if not kv_heads or tp <= kv_heads or tp % kv_heads or not _KV_PROJ.search(fqn):
+    if not is_kv or not kv_heads or tp <= kv_heads or tp % kv_heads:
         return 1
-    kind = kind_of_layer.get(layer_of(fqn))
+    kind = kind_of_layer.get(layer)
     heads_split = op_choice(strategy, "attn_core", kind) == 0
     return tp // kv_heads if heads_split and op_choice(strategy, "qkv", kind) == 0 else 1
+
+
+def kv_projections(graph, uses: dict) -> dict[str, int]:
+    """FQN -> the layer's KV heads, for the separate k / v projection parameters (weights and
+    biases) of GQA attention, from the IR: a ``qkv`` parameter not packed (no ``parts``) whose
+    output features are its layer's ``kv_heads x head_dim`` (its layer kind's ``attn_core``
+    attributes), fewer than the query heads'."""
+    cores = {i: k.op("attn_core").attrs for k in graph.layer_kinds
+             if k.op("attn_core") is not None for i in k.layers}
+    out: dict[str, int] = {}
+    for p in graph.params:
+        u = uses.get(p.fqn)
+        a = cores.get(u.layer) if u is not None else None
+        if a is None or u.op != "qkv" or u.parts or u.split_dims[0] is None:
+            continue
+        heads, kv, head_dim = (int(a.get(k, 0) or 0) for k in ("heads", "kv_heads", "head_dim"))
+        if 0 < kv < heads and int(p.shape[u.split_dims[0]]) == kv * head_dim:
+            out[p.fqn] = kv
+    return out
 
 
 def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> list[int]:
@@ -150,28 +181,86 @@ def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> li
     return out
 
 
-def param_plan(params: list[tuple[str, list[int]]], strategy: Strategy,
-               kind_of_layer: dict[int, str], kv_heads: int = 0) -> list[dict]:
-    """plan.json ``params``: [{fqn, shape, placements, local_shape, stage}] (``kv_heads``:
-    the model's KV heads, for the local shape of replicated KV heads, :func:`kv_head_repeat`)."""
+def rows_with_ops(rows: list[dict]) -> list[dict]:
+    """plan.json params rows, each with the IR fields ``op`` / ``layer`` / ``split_dims`` /
+    ``expert_dim`` / ``parts``; a row of a plan written before they existed (schema 1
+    without ``op``) gets them from the parameter-name table :data:`PARAM_ROLES`."""
+    out = []
+    for r in rows:
+        if "op" in r:
+            out.append(r)
+            continue
+        role = param_role(str(r["fqn"]))
+        shape = list(r["shape"])
+        extra: dict = {"op": None, "layer": layer_of(str(r["fqn"])),
+                       "split_dims": [None, None]}
+        if role is not None:
+            extra["op"] = role.op
+            bias = len(shape) == 1
+            extra["split_dims"] = [0, None] if bias else list(role.dims)
+            if role.expert_dim is not None:
+                extra["expert_dim"] = role.expert_dim
+            if role.fused > 1:
+                width = shape[0 if bias else role.dims[0]]
+                extra["parts"] = [width // role.fused] * role.fused
+        out.append({**r, **extra})
+    return out
+
+
+def use_placements(use: dict, ndim: int, strategy: Strategy,
+                   kind_of_layer: dict[int, str]) -> list[str]:
+    """Placements (``"S(d)"`` / ``"R"``) per SPMD mesh dim of a parameter whose plan.json
+    row (or :meth:`shardc.ir.param_roles.ParamUse.as_row`) is ``use``: over ``ep`` its
+    ``expert_dim``, over ``tp`` the dim its op's choice cuts (``split_dims``)."""
+    op, layer = use.get("op"), use.get("layer")
+    kind = kind_of_layer.get(layer) if layer is not None else None
+    dims = list(use.get("split_dims") or (None, None))
+    out = []
+    for dim in spmd_dims(strategy.degrees):
+        p = "R"
+        if dim == "ep" and use.get("expert_dim") is not None:
+            p = f"S({use['expert_dim']})"
+        elif dim == "tp" and op is not None:
+            c = op_choice(strategy, op, kind)
+            if c in (0, 1) and dims[c] is not None and dims[c] < ndim:
+                p = f"S({dims[c]})"
+        out.append(p)
+    return out
+
+
+def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list[dict]:
+    """plan.json ``params``: per parameter of ``graph`` {fqn, shape, placements, local_shape,
+    stage} and the fused op it belongs to, from the graph
+    (:func:`shardc.ir.param_roles.param_uses`: ``op``, ``layer``, ``split_dims``, and
+    ``expert_dim`` / ``parts`` where they apply). The local shape of a k / v projection whose
+    KV heads are replicated (GQA, tp > kv_heads: :func:`kv_repeat`) is one KV head's."""
+    from shardc.ir.param_roles import param_uses, read_before_layers
     from shardc.ir.strategy import pipeline_stages
 
+    uses = param_uses(graph)
+    kv_projs = kv_projections(graph, uses)
+    first = read_before_layers(graph)
     num_layers = len(kind_of_layer)
     stages = pipeline_stages(num_layers, strategy.degrees.pp) if num_layers else []
     rows = []
-    for fqn, shape in params:
-        pl = param_placements(fqn, len(shape), strategy, kind_of_layer)
-        layer = layer_of(fqn)
-        role = param_role(fqn)
+    for p in graph.params:
+        shape = [int(s) for s in p.shape]
+        use = uses[p.fqn].as_row() if p.fqn in uses else {"op": None, "layer": None,
+                                                           "split_dims": [None, None]}
+        pl = use_placements(use, len(shape), strategy, kind_of_layer)
+        layer = use["layer"]
         if layer is not None and layer < len(stages):
             stage = stages[layer]
-        elif role is not None and role.op == "embedding":
+        elif p.fqn in first:  # embeddings
             stage = 0
         else:  # final norm, lm_head
             stage = strategy.degrees.pp - 1
-        repeat = kv_head_repeat(fqn, strategy, kind_of_layer, kv_heads)
-        placed = [shape[0] * repeat, *shape[1:]] if repeat > 1 else list(shape)
-        rows.append({"fqn": fqn, "shape": list(shape), "placements": pl,
+        repeat = kv_repeat(p.fqn in kv_projs, layer, strategy, kind_of_layer,
+                           kv_projs.get(p.fqn, 0))
+        placed = list(shape)
+        if repeat > 1:  # the runtime places the repeated KV heads (out features)
+            placed[use["split_dims"][0]] *= repeat
+        rows.append({"fqn": p.fqn, "shape": shape, "placements": pl,
                      "local_shape": local_shape(placed, pl, strategy.degrees),
-                     "stage": stage})
+                     "stage": stage, **use})
     return rows

@@ -25,34 +25,40 @@ prefill: one sequence per micro-batch, ``batch / ep``), fewer when a batch does 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from shardc.backends.dtensor import _comment, _literal
 from shardc.backends.torch_styles import NotCovered
 
-_DECODER_PARAM = re.compile(r"^model\.layers\.(\d+)\.")
+_DECODER_LAYERS = "model.layers"  # the decoder-layer list keep_stage cuts
 _FIRST_STAGE = {"model.embed_tokens"}  # model-level modules by stage
 _LAST_STAGE = {"model.norm", "lm_head"}
 
 
-def stage_layers(plan) -> list[list[int]]:
-    """Decoder layers of each pipeline stage, from plan.json ``params[].stage`` (raises
-    :class:`NotCovered` for a parameter outside an HF causal LM's ``model.layers`` /
-    ``embed_tokens`` / ``norm`` / ``lm_head``, when a layer's parameters sit on two stages, a
-    stage holds no layer or its layers are not contiguous, or the embedding / final norm /
-    lm_head are off their stages)."""
+def stage_layers(plan, container: str = "model.layers") -> list[list[int]]:
+    """Decoder layers of each pipeline stage, from plan.json ``params[].stage`` and the rows'
+    ``layer`` (the IR's; :func:`shardc.backends.layout.rows_with_ops` for older plans).
+    ``container``: the decoder-layer list's module path. Raises :class:`NotCovered` unless
+    the model has an HF causal LM's layout (``model.layers`` / ``embed_tokens`` / ``norm`` /
+    ``lm_head``, what :func:`shardc.runtime.pipeline.keep_stage` cuts), when a layer's
+    parameters sit on two stages, a stage holds no layer or its layers are not contiguous,
+    or the embedding / final norm / lm_head are off their stages."""
+    from shardc.backends.layout import rows_with_ops
+
     pp = plan.strategy().degrees.pp
+    if container != _DECODER_LAYERS:
+        raise NotCovered(f"pp={pp}: decoder layers under {container!r}, not an HF causal LM's "
+                         f"{_DECODER_LAYERS} (the pipeline runtime keeps stages of those)")
     of_layer: dict[int, set[int]] = {}
-    for p in plan.params:
-        m = _DECODER_PARAM.match(str(p["fqn"]))
-        if m:
-            of_layer.setdefault(int(m.group(1)), set()).add(int(p["stage"]))
-        elif str(p["fqn"]).rsplit(".", 1)[0] not in _FIRST_STAGE | _LAST_STAGE:
+    for p in rows_with_ops(plan.params):
+        module = str(p["fqn"]).rsplit(".", 1)[0]
+        if p.get("layer") is not None:
+            of_layer.setdefault(int(p["layer"]), set()).add(int(p["stage"]))
+        elif module not in _FIRST_STAGE | _LAST_STAGE:
             raise NotCovered(f"pp={pp}: parameter {p['fqn']!r} is outside an HF causal LM's "
                              "model.layers / embed_tokens / norm / lm_head (the pipeline "
                              "runtime keeps stages of those)")
-        elif str(p["fqn"]).rsplit(".", 1)[0] in _FIRST_STAGE:
+        elif module in _FIRST_STAGE:
             if int(p["stage"]) != 0:
                 raise NotCovered(f"pp={pp}: {p['fqn']} on stage {p['stage']} (the runtime "
                                  "keeps the embedding on stage 0)")
@@ -144,5 +150,5 @@ def stage_emit(plan, style_plan) -> StageEmit:
     rows_split = deg.tp if deg.sp > 1 else 1
     phase = str(plan.workload.get("phase", "decode"))
     micro = deg.pp if phase == "decode" else max(1, int(st.batch) // deg.ep)
-    return StageEmit(stage_layers(plan), micro,
+    return StageEmit(stage_layers(plan, style_plan.layers), micro,
                      deg.tp if (batch_split or rows_split > 1) else 1, rows_split)

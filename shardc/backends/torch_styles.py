@@ -12,34 +12,34 @@ The activation placements of plan.json (``[tokens, features]``) become layouts o
 activation ``[batch, seq, hidden]``: ``R`` -> ``Replicate()``, ``S(1)`` -> ``Shard(-1)``,
 ``S(0)`` -> ``Shard(0)`` (batch rows: batch-split attention keeps whole sequences).
 
-Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): HF causal LMs whose
-decoder layers are ``model.layers.<i>`` with Llama-style attention (``q/k/v/o_proj``, per-head
-q/k norms, biases) or DeepSeek MLA (``q_a/q_b`` or ``q_proj``, ``kv_a_proj_with_mqa``,
-``kv_b_proj``), a dense gated MLP or an HF sparse-MoE block (``mlp.gate`` + stacked
-``mlp.experts``, optional ``shared_experts``); a router of choice ``rep``; experts
-``col``/``row`` (not under sequence parallelism) or ``rep``/``rep``; batch-split attention
-with ``rep`` q/k/v; under sequence parallelism the rows the attention module receives must
-be the rows its core computes on (the model's own attention forward derives shapes from
-its input). A repair before a branch's first op is made once at the branch module
-(``PrepareModuleInput`` on ``self_attn`` / ``mlp`` / ``mlp.shared_experts``). With pp > 1
-the same plans run on each pipeline stage's submesh (:mod:`shardc.backends.pipeline_styles`).
+Covered (else :func:`style_plan` raises :class:`NotCovered` saying what): every model the
+backend accepts (decoder layers under one module list: HF ``model.layers``, GPT-2's
+``transformer.h``, a plain model's ``layers``), every choice except: batch-split
+attention after a ``col`` / ``row`` qkv; under sequence parallelism a ``rep`` qkv before a
+heads split (the model's attention forward sizes its output from the rows it receives);
+expert pairs other than ``col``/``row`` and ``rep``/``rep``
+for experts that are not HF gated ``[E, out, in]`` or under sequence parallelism; a heads
+split at tp > kv_heads (KV heads replicated). Which
+module realises which op, how its weight is stored and what it packs come from plan.json's
+params rows (``op``, ``layer``, ``split_dims``, ``parts``, ``tied``: the IR's, see
+:mod:`shardc.ir.param_roles`). A repair before a branch's first op is made once at the
+branch module (``PrepareHiddenStates`` on the attention module, ``PrepareModuleInput`` on
+the MLP / shared-experts module). With pp > 1 the same plans run on each pipeline stage's
+submesh (:mod:`shardc.backends.pipeline_styles`: HF causal LMs' ``model.layers`` /
+``embed_tokens`` / ``norm`` / ``lm_head`` only).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from shardc.backends.dtensor import _literal
 from shardc.ir.contract import BRANCHES, CHOICE_NAMES, redistribution, walk
 from shardc.ir.strategy import residual_placement
 
 LAYOUT = {"R": "Replicate()", "S(0)": "Shard(0)", "S(1)": "Shard(-1)"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|gate_up_proj|down_proj)$")
-GLOBAL_PARAMS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 
 
-COVERED = ("covered: HF Llama-style decoders (Llama, Qwen2/3, Gemma-2) with a dense MLP or "
-           "Mixtral / Qwen-MoE experts, DeepSeek-V2/V3 MLA with shared experts")
 
 
 class NotCovered(ValueError):
@@ -71,6 +71,7 @@ class StylePlan:
     model_entries: list[Entry]  # embedding, lm_head (tp mesh, from the model root)
     tp: int
     expert_mesh: bool  # some kind has experts and ep or tp > 1
+    layers: str = "model.layers"  # module path of the decoder-layer list
 
 
 def _collectives(src: str, need: str, produced: str, after: str) -> str:
@@ -111,72 +112,148 @@ def _style(op: str, step, src: str) -> str | None:
     return f"{ps}({', '.join(args)})"
 
 
-def _structure(params: list[dict], layer: int) -> dict[str, list[str]]:
-    """Module suffixes of decoder layer ``layer`` grouped by role, from plan.json params."""
-    roles: dict[str, list[str]] = {}
-    for p in params:
-        m = _LAYER.match(str(p["fqn"]))
-        if not m or int(m.group(1)) != layer:
+def _for_weight(code: str | None, row: dict | None) -> str | None:
+    """``code`` adapted to the module's weight (its params row): torch's Colwise / Rowwise
+    styles take ``nn.Linear`` weights ``[out, in]``; a weight stored otherwise (GPT-2's Conv1D
+    ``[in, out]``) or packing parts gets :class:`~shardc.runtime.styles.WeightColwiseParallel`
+    / ``WeightRowwiseParallel`` with the dims and part widths (integers) from the row."""
+    if code is None or row is None or len(row["shape"]) != 2:
+        return code
+    dims = [int(d) for d in row.get("split_dims") or (0, 1)]
+    parts = tuple(int(w) for w in row.get("parts") or ())
+    inner = code[code.index("(") + 1:-1]
+    if code.startswith("ColwiseParallel(") and (dims != [0, 1] or parts):
+        head = f"out_dim={dims[0]}" + (f", parts={parts}" if parts else "")
+        return f"WeightColwiseParallel({head}{', ' + inner if inner else ''})"
+    if code.startswith("RowwiseParallel(") and dims != [0, 1]:
+        return f"WeightRowwiseParallel(in_dim={dims[1]}{', ' + inner if inner else ''})"
+    return code
+
+
+@dataclass
+class LayerModules:
+    """One decoder layer as the plan's params rows describe it (op and layer from the IR,
+    :mod:`shardc.ir.param_roles`): module suffixes (relative to the layer) per fused op,
+    and what the styles need to know about their weights."""
+
+    container: str  # module path of the decoder-layer list (``model.layers``)
+    ops: dict[str, list[str]] = field(default_factory=dict)  # op -> module suffixes
+    weights: dict[str, dict] = field(default_factory=dict)  # suffix.param -> params row
+    replicated: list[str] = field(default_factory=list)  # 2-D weights of no op (MLA down)
+    norms: list[tuple[str, int]] = field(default_factory=list)  # (suffix, width) 1-D params
+
+    def weight_of(self, mod: str) -> dict | None:
+        """The params row of module ``mod``'s (>= 2-D) weight."""
+        return next((r for key, r in self.weights.items()
+                     if key.rsplit(".", 1)[0] == mod and len(r["shape"]) >= 2), None)
+
+    def params_of(self, op: str) -> list[tuple[str, str, dict]]:
+        """(module suffix, parameter name, row) of every parameter of ``op``."""
+        out = []
+        for key, row in self.weights.items():
+            mod, name = key.rsplit(".", 1)
+            if row.get("op") == op:
+                out.append((mod, name, row))
+        return out
+
+
+def _split_fqn(fqn: str, layer: int) -> tuple[str, str] | None:
+    """(container, suffix.param) of a parameter of decoder layer ``layer``."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == str(layer) and i > 0:
+            return ".".join(parts[:i]), ".".join(parts[i + 1:])
+    return None
+
+
+def _layer_modules(rows: list[dict], layer: int) -> LayerModules:
+    """:class:`LayerModules` of decoder layer ``layer`` from plan.json params rows."""
+    lm = None
+    for r in rows:
+        if r.get("layer") != layer:
             continue
-        mod = m.group(2)
-        if m.group(3) in ("gate_up_proj", "down_proj"):
-            mod = f"{mod}.{m.group(3)}"
-        name = mod.rsplit(".", 1)[-1]
-        if mod in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                   "self_attn.q_b_proj", "self_attn.kv_b_proj"):
-            role = "qkv"
-        elif mod in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa",
-                     "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):
-            role = "mla_down"
-        elif mod in ("self_attn.q_norm", "self_attn.k_norm"):
-            role = "qk_norm"
-        elif mod == "self_attn.o_proj":
-            role = "out_proj"
-        elif mod in ("mlp.gate_proj", "mlp.up_proj", "mlp.shared_experts.gate_proj",
-                     "mlp.shared_experts.up_proj"):
-            role = "shared_ffn1" if "shared" in mod else "ffn1"
-        elif mod in ("mlp.down_proj", "mlp.shared_experts.down_proj"):
-            role = "shared_ffn2" if "shared" in mod else "ffn2"
-        elif mod == "mlp.gate":
-            role = "router"
-        elif mod in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
-            role = "experts"
-        elif "." not in mod and len(p["shape"]) == 1:
-            role = "norm"
-        else:
-            raise NotCovered(f"parameter {name} of {mod!r} in layer {layer} is not in a "
-                             f"layer the torch-style runtime knows ({COVERED})")
-        if m.group(3) == "bias" and role not in ("qkv", "out_proj", "norm"):
-            raise NotCovered(f"a bias on {mod!r} in layer {layer} is not covered")
-        roles.setdefault(role, [])
-        if mod not in roles[role]:
-            roles[role].append(mod)
-        if role == "qk_norm":
-            roles.setdefault("qk_norm_width", []).append(str(p["shape"][0]))
-    return roles
+        where = _split_fqn(str(r["fqn"]), layer)
+        if where is None:
+            raise NotCovered(f"parameter {r['fqn']!r} of layer {layer} is not under a "
+                             "decoder-layer list")
+        if lm is None:
+            lm = LayerModules(where[0])
+        elif where[0] != lm.container:
+            raise NotCovered(f"layer {layer}: parameters under {lm.container!r} and "
+                             f"{where[0]!r}")
+        key = where[1]
+        if "." not in key:
+            raise NotCovered(f"layer {layer}: parameter {key!r} directly on the layer module")
+        mod = key.rsplit(".", 1)[0]
+        lm.weights[key] = r
+        op = r.get("op")
+        if op is not None:
+            mods = lm.ops.setdefault(op, [])
+            if mod not in mods:
+                mods.append(mod)
+        elif len(r["shape"]) >= 2:
+            lm.replicated.append(mod)
+        elif len(r["shape"]) == 1:
+            lm.norms.append((mod, int(r["shape"][0])))
+    if lm is None:
+        raise NotCovered(f"layer {layer} has no parameters in the plan")
+    return lm
 
 
-def _qkv_width(params: list[dict], layer: int) -> int:
-    for p in params:
-        if str(p["fqn"]) == f"model.layers.{layer}.self_attn.q_proj.weight":
-            return int(p["shape"][0])
-    return -1
+def _attention_module(lm: LayerModules) -> str:
+    """The module holding the qkv projections (their common parent: ``self_attn``)."""
+    mods = lm.ops.get("qkv", [])
+    parents = {m.rsplit(".", 1)[0] if "." in m else "" for m in mods}
+    if len(parents) != 1 or "" in parents:
+        raise NotCovered(f"qkv projections {mods} do not share one attention module")
+    return parents.pop()
+
+
+def _full_width_qk_norms(lm: LayerModules, attn: str) -> list[str]:
+    """Norms inside the attention module over a whole projection's output (OLMoE's q/k
+    norms), not per head: their width is the output width of a qkv weight."""
+    widths = {int(r["shape"][r["split_dims"][0]]) for _, _, r in lm.params_of("qkv")
+              if len(r["shape"]) == 2 and r.get("split_dims", [None])[0] is not None}
+    return [m for m, w in lm.norms if m.startswith(attn + ".") and w in widths]
+
+
+def _parent(mods: list[str], what: str) -> str:
+    parents = {m.rsplit(".", 1)[0] if "." in m else "" for m in mods}
+    if len(parents) != 1 or "" in parents:
+        raise NotCovered(f"{what} projections {mods} do not share one module")
+    return parents.pop()
+
+
+def _global_modules(rows: list[dict]) -> dict[str, str]:
+    """op -> module path of the model-level ops (embedding, lm_head; a tied lm_head reads
+    the embedding table through its own module)."""
+    out: dict[str, str] = {}
+    for r in rows:
+        if r.get("layer") is not None:
+            continue
+        op = r.get("op")
+        if op is not None:
+            out.setdefault(op, str(r["fqn"]).rsplit(".", 1)[0])
+        for t in r.get("tied", []):
+            out.setdefault(str(t["op"]), str(t["module"]))
+    return out
 
 
 def style_plan(plan) -> StylePlan:
     """The :class:`StylePlan` of a :class:`shardc.plan.Plan` (raises :class:`NotCovered`)."""
+    from shardc.backends.layout import rows_with_ops
+
     st = plan.strategy()
     deg = st.degrees
-    others = sorted({str(p["fqn"]) for p in plan.params
-                     if not _LAYER.match(str(p["fqn"]))} - GLOBAL_PARAMS)
-    if others:
-        raise NotCovered(f"{plan.model.get('name')}: parameter {others[0]!r} is outside an HF "
-                         "causal LM's model.layers / embed_tokens / norm / lm_head (" + COVERED + ")")
+    rows = rows_with_ops(plan.params)
     res = residual_placement(deg)
     tp = deg.tp
-    kinds, any_experts = [], False
+    kinds, any_experts, container = [], False, None
     for kind, layers in plan.layer_kind_map().items():
-        roles = _structure(plan.params, layers[0])
+        lm = _layer_modules(rows, layers[0])
+        if container not in (None, lm.container):
+            raise NotCovered(f"decoder layers under {container!r} and {lm.container!r}")
+        container = lm.container
 
         def choice(op, kind=kind):
             return int(st.choices.get(f"{kind}.{op}", 2))
@@ -187,9 +264,9 @@ def style_plan(plan) -> StylePlan:
             raise NotCovered(f"{kind}: attention split by heads at tp={tp} over {kv_heads} KV "
                              f"heads (each KV head replicated over {tp // kv_heads} ranks) is "
                              "not covered by torch's styles")
-        branches = ["attention"] + (["mlp"] if "ffn1" in roles else []) \
-            + (["shared_experts"] if "shared_ffn1" in roles else []) \
-            + (["router", "experts"] if "experts" in roles else [])
+        branches = ["attention"] + (["mlp"] if "ffn1" in lm.ops else []) \
+            + (["shared_experts"] if "shared_ffn1" in lm.ops else []) \
+            + (["router", "experts"] if "expert_ffn1" in lm.ops else [])
         for branch in branches:
             ops = BRANCHES[branch]
             w = walk(ops, [choice(o) for o in ops], res, res)
@@ -198,82 +275,137 @@ def style_plan(plan) -> StylePlan:
             kp.notes.append(f"{branch}: {desc} ({colls or 'no collective'})" if tp > 1
                             else f"{branch}: tp=1, no tp collective")
             if tp > 1:
-                _branch_entries(kp, branch, w, roles, res, plan.params, layers[0])
-        if "experts" in roles:
+                _branch_entries(kp, branch, w, lm, res)
+        if "expert_ffn1" in lm.ops:
             any_experts = True
-            (f1, f2) = (choice("expert_ffn1"), choice("expert_ffn2"))
-            if tp > 1 and (f1, f2) not in ((0, 1), (2, 2)):
-                names = "/".join(CHOICE_NAMES[op][c] for op, c in
-                                 (("expert_ffn1", f1), ("expert_ffn2", f2)))
-                raise NotCovered(f"{kind}: experts {names} (covered: col/row, rep/rep)")
-            split = tp > 1 and (f1, f2) == (0, 1)
-            if split and res != "R":
-                raise NotCovered(f"{kind}: col/row experts under sequence parallelism "
-                                 "(covered: rep/rep)")
-            what = ("counts exchanged, then uneven all_to_all_single dispatch + combine "
-                    f"over ep={deg.ep}") if deg.ep > 1 else "no ep exchange"
-            if split:
-                what += "; all_reduce P->R of the expert outputs over tp"
-            if deg.ep > 1 or tp > 1:
-                kp.experts = Entry("mlp.experts",
-                                   f"ExpertParallel(tp_split={split})", what)
+            kp.experts = _experts_entry(str(kind), lm, choice, deg, res)
+        seen = [e.suffix for e in kp.entries]
+        if len(set(seen)) != len(seen):  # a dict literal keeps one style per module
+            raise NotCovered(f"{kind}: two styles on one module {seen}")
         kinds.append(kp)
     model_entries = []
+    where = _global_modules(rows)
     if tp > 1:
-        for op, mod, start, end in (("embedding", "model.embed_tokens", "R", res),
-                                    ("lm_head", "lm_head", res, "R")):
+        for op, start, end in (("embedding", "R", res), ("lm_head", res, "R")):
             step = walk((op,), [int(st.choices.get(op, 2))], start, end).steps[0]
             code = _style(op, step, start)
+            if code and op not in where:
+                raise NotCovered(f"{op} {step.choice.name}: no {op} module in the plan's "
+                                 "params")
             if code:
-                model_entries.append(Entry(mod, code, f"{op} {step.choice.name}: "
+                model_entries.append(Entry(where[op], code, f"{op} {step.choice.name}: "
                                            + _collectives(start, step.need, step.produced,
                                                           step.after)))
-    return StylePlan(kinds, model_entries, tp, any_experts and (deg.ep > 1 or tp > 1))
+    return StylePlan(kinds, model_entries, tp, any_experts and (deg.ep > 1 or tp > 1),
+                     container or "model.layers")
 
 
-# the module each branch's ops live in: a repair before the branch's first op is made once
-# there (torch's PrepareModuleInput), so the module's own code sees the rows it computes on
-BRANCH_MODULE = {"attention": "self_attn", "mlp": "mlp", "shared_experts": "mlp.shared_experts"}
+HF_EXPERT_WEIGHTS = {"gate_up_proj": (1, (2,)), "down_proj": (2, ())}  # the style's default
+
+
+def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | None:
+    """The ExpertParallel entry of a layer with stacked experts (ep x tp mesh): the weights'
+    names, tp dims (the first weight's output features, the second's input features) and
+    packed parts come from the params rows."""
+    tp = deg.tp
+    (f1, f2) = (choice("expert_ffn1"), choice("expert_ffn2"))
+    chain = tp > 1 and (f1, f2) not in ((0, 1), (2, 2))
+    split = tp > 1 and (f1, f2) != (2, 2)
+    mods = lm.ops["expert_ffn1"] + [m for m in lm.ops.get("expert_ffn2", [])
+                                    if m not in lm.ops["expert_ffn1"]]
+    first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
+    second = [(n, r) for _, n, r in lm.params_of("expert_ffn2") if len(r["shape"]) == 3]
+    if len(mods) != 1 or len(first) != 1 or len(second) != 1 or \
+            len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != 2:
+        raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul, "
+                         "no biases, is covered")
+    (n1, r1), (n2, r2) = first[0], second[0]
+    if r1.get("expert_dim") != 0 or r2.get("expert_dim") != 0:
+        raise NotCovered(f"{kind}: experts stacked on a dim other than 0")
+    parts1 = tuple(int(w) for w in r1.get("parts", ()))
+    what = ("counts exchanged, then uneven all_to_all_single dispatch + combine "
+            f"over ep={deg.ep}") if deg.ep > 1 else "no ep exchange"
+    if chain:
+        names = "/".join(CHOICE_NAMES[op][c] for op, c in
+                         (("expert_ffn1", f1), ("expert_ffn2", f2)))
+        if res != "R" or len(parts1) != 2 or \
+                [r1["split_dims"], r2["split_dims"]] != [[1, 2], [1, 2]]:
+            raise NotCovered(f"{kind}: experts {names} (covered: col/row and rep/rep; other "
+                             "pairs for HF gated experts [E, out, in] without sequence "
+                             "parallelism)")
+        dims = tuple(None if c == 2 else int(r["split_dims"][c])
+                     for r, c in ((r1, f1), (r2, f2)))
+        what += f"; experts {names} over tp, the activation moved between them as the walk says"
+    else:
+        dims = (int(r1["split_dims"][0]), int(r2["split_dims"][1]))
+        if split and res != "R":
+            what += ("; all_gather S(0)->R of the tokens, reduce_scatter P->S(0) of the "
+                     "outputs over tp")
+        elif split:
+            what += "; all_reduce P->R of the expert outputs over tp"
+    if parts1:  # equal parts: the style's count form
+        parts1 = (len(parts1),) if len(set(parts1)) == 1 else parts1
+    weights = {str(n1): (dims[0], parts1), str(n2): (dims[1], ())}
+    args = [f"tp_split={split}"]
+    if weights != HF_EXPERT_WEIGHTS:  # names from the plan: literals; dims and widths: ints
+        items = ", ".join(f"{_literal(k)}: ({d}, {tuple(int(w) for w in ps)!r})"
+                          for k, (d, ps) in weights.items())
+        args.append(f"weights={{{items}}}")
+    if chain:
+        args.append(f"chain=({CHOICE_NAMES['expert_ffn1'][f1]!r}, "
+                    f"{CHOICE_NAMES['expert_ffn2'][f2]!r})")
+    elif split and res != "R":
+        args.append("token_rows=True")
+    if deg.ep > 1 or tp > 1:
+        return Entry(mods[0], f"ExpertParallel({', '.join(args)})", what)
+    return None
 
 
 def _rows(p: str) -> str:
     return "split" if p == "S(0)" else "whole"
 
 
-def _prepare(kp: KindPlan, branch: str, src: str, want: str, first_op: str) -> str:
-    """Entry moving the branch module's input from ``src`` to ``want``; returns the
-    placement the first op then receives. With a replicated residual a feature split is
-    left to the op's own style (a local slice) and a row split is BatchSplitAttention's."""
+def _prepare(kp: KindPlan, module: str, branch: str, src: str, want: str,
+             first_op: str) -> str:
+    """Entry moving the branch ``module``'s input from ``src`` to ``want`` (a repair before
+    the branch's first op is made once there, torch's PrepareModuleInput, so the module's
+    own code sees the rows it computes on); returns the placement the first op then
+    receives. With a replicated residual a feature split is left to the op's own style (a
+    local slice) and a row split is BatchSplitAttention's."""
     if src == want or src == "R" and want == "S(1)":
         return src
     if src == "R" and want == "S(0)":
-        kp.entries.append(Entry(BRANCH_MODULE[branch], "BatchSplitAttention()",
+        kp.entries.append(Entry(module, "BatchSplitAttention()",
                                 "attn_core batch: R->S(0) rows, a local slice"))
         return want
     coll = redistribution(src, want) or "no collective"
     note = f"{coll} {src}->{want} before {first_op}, once for the branch"
-    if branch == "attention":  # HF decoder layers pass hidden_states by keyword
-        code = (f"PrepareModuleInput(input_kwarg_layouts={{'hidden_states': {LAYOUT[src]}}}, "
-                f"desired_input_kwarg_layouts={{'hidden_states': {LAYOUT[want]}}}, "
-                "use_local_output=True)")
+    if branch == "attention":  # by keyword (HF decoder layers) or positionally (GPT-2)
+        code = (f"PrepareHiddenStates(input_layouts={LAYOUT[src]}, "
+                f"desired_input_layouts={LAYOUT[want]})")
     else:
         code = (f"PrepareModuleInput(input_layouts=({LAYOUT[src]},), "
                 f"desired_input_layouts=({LAYOUT[want]},), use_local_output=True)")
-    kp.entries.append(Entry(BRANCH_MODULE[branch], code, note))
+    kp.entries.append(Entry(module, code, note))
     return want
 
 
-def _branch_entries(kp: KindPlan, branch: str, w, roles, res, params, layer) -> None:
+def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None:
     steps = {s.op: s for s in w.steps}
     if branch == "router":
         s = steps["router"]
-        if s.choice.parallel_style is not None or _style("router", s, res):
-            raise NotCovered(f"{kp.kind}: router {s.choice.name} (covered: rep)")
+        code = _style("router", s, res)
+        if code and s.choice.parallel_style is not None:
+            code = f"RouterParallel({code})"  # an HF router module computes its own top-k
+        for mod in lm.ops.get("router", []) if code else []:
+            kp.entries.append(Entry(mod, code, f"router {s.choice.name}: " + _collectives(
+                res, s.need, s.produced, s.after)))
         return
     if branch == "experts":
         return
     if branch == "attention":
         qkv, core, out = steps["qkv"], steps["attn_core"], steps["out_proj"]
+        attn = _attention_module(lm)
         batch = core.choice.name == "batch"
         if batch and qkv.choice.name != "rep":
             raise NotCovered(f"{kp.kind}: batch-split attention after qkv "
@@ -282,31 +414,50 @@ def _branch_entries(kp: KindPlan, branch: str, w, roles, res, params, layer) -> 
         if _rows(attn_in) != _rows(core.need):
             raise NotCovered(f"{kp.kind}: qkv {qkv.choice.name} under sequence parallelism "
                              f"before attention by {core.choice.name}")
-        if "mla_down" in roles and res != "R" and attn_in == "S(1)":
-            raise NotCovered(f"{kp.kind}: MLA qkv row under sequence parallelism")
-        src = _prepare(kp, branch, res, attn_in, "qkv")
+        mla_row_sp = bool(lm.replicated) and res != "R" and attn_in == "S(1)"
+        if mla_row_sp:  # the replicated down projections need the whole hidden vector:
+            attn_in = "R"  # all-gathered (the walk charges an all-to-all), then sliced
+        src = _prepare(kp, attn, branch, res, attn_in, "qkv")
         if not batch:
-            split_norm = [n for n in roles.get("qk_norm_width", [])
-                          if int(n) == _qkv_width(params, layer)]
-            if split_norm and qkv.after == "S(1)":
-                raise NotCovered(f"{kp.kind}: q/k norms over the whole projection under a "
-                                 "heads split are not covered")
             code = _style("qkv", qkv, src)
-            for mod in roles.get("qkv", []) if code else []:
-                kp.entries.append(Entry(mod, code, f"qkv {qkv.choice.name}: " + _collectives(
-                    src, qkv.need, qkv.produced, qkv.after)))
+            for mod in lm.ops.get("qkv", []) if code else []:
+                kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                                        f"qkv {qkv.choice.name}: " + _collectives(
+                                            src, qkv.need, qkv.produced, qkv.after)))
+            if qkv.after == "S(1)":
+                _heads_split(kp, lm, attn)
         code = _style("out_proj", out, core.produced)
-        if code:
-            kp.entries.append(Entry("self_attn.o_proj", code, f"out_proj {out.choice.name}: "
-                                    + _collectives(core.produced, out.need, out.produced,
-                                                   out.after)))
+        for mod in lm.ops.get("out_proj", []) if code else []:
+            kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                                    f"out_proj {out.choice.name}: " + _collectives(
+                                        core.produced, out.need, out.produced, out.after)))
         return
     first, second = BRANCHES[branch]
-    src = _prepare(kp, branch, res, steps[first].need, first)
+    module = _parent(lm.ops.get(first, []) + lm.ops.get(second, []), branch)
+    src = _prepare(kp, module, branch, res, steps[first].need, first)
     for op in (first, second):
         s = steps[op]
         code = _style(op, s, src)
-        for mod in roles.get(op, []) if code else []:
-            kp.entries.append(Entry(mod, code, f"{op} {s.choice.name}: " + _collectives(
-                src, s.need, s.produced, s.after)))
+        for mod in lm.ops.get(op, []) if code else []:
+            kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                                    f"{op} {s.choice.name}: " + _collectives(
+                                        src, s.need, s.produced, s.after)))
         src = s.after
+
+
+def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
+    """What a heads split needs beyond the column-parallel projections: an attention module
+    whose q|k|v come packed in one weight sizes its head views from attributes
+    (``HeadParallelAttention``); q/k norms over the whole projection (OLMoE) see this rank's
+    heads (``FullWidthNormParallel``: one ``[tokens, 1]`` all-reduce each)."""
+    if any(r.get("parts") for _, _, r in lm.params_of("qkv")):
+        note = "attn_core heads: the module's head counts / tp"
+        prep = next((e for e in kp.entries if e.suffix == attn), None)
+        if prep is None:
+            kp.entries.append(Entry(attn, "HeadParallelAttention()", note))
+        else:  # one style per module: the heads split also moves the input
+            prep.style = prep.style.replace("PrepareHiddenStates(", "HeadParallelAttention(")
+            prep.comment += "; " + note
+    for mod in _full_width_qk_norms(lm, attn):
+        kp.entries.append(Entry(mod, "FullWidthNormParallel()",
+                                "norm over all heads: all_reduce of the sum of squares"))

@@ -33,6 +33,7 @@ class Case:
     layer_kinds: dict | None = None
 
     code: str | None = None  # path of a parallelize.py to run instead of apply()
+    code_text: str | None = None  # or its source (``shardc verify``: the scaled plan's)
     corrupt: bool = False  # perturb one local shard after sharding (checks the checker)
     kv_cache: int = 0  # >0: run the prompt minus its last N tokens, then N cached steps
     padded: str = ""  # "right" / "left": pad every other sequence (a padding attention_mask)
@@ -70,8 +71,8 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                 t0, build_s = time.perf_counter(), 0.0
                 try:
                     fresh = _build(model_ref, batch, seq, tiny_degrees)[0]
-                    if case.code:
-                        sharded = _load_code(case.code).parallelize(fresh)
+                    if case.code or case.code_text:
+                        sharded = _load_code(case.code, case.code_text).parallelize(fresh)
                     else:
                         sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds)
                     if case.corrupt and rank == 0:
@@ -112,9 +113,16 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
         dist.destroy_process_group()
 
 
-def _load_code(path: str):
+def _load_code(path: str | None, text: str | None = None):
+    """The module of a ``parallelize.py`` at ``path``, or of its source ``text`` (shardc's
+    own emitted file: plan values in it are escaped literals)."""
     import importlib.util
+    import types
 
+    if text is not None:
+        mod = types.ModuleType("_shardc_parallelize")
+        exec(compile(text, "<parallelize.py>", "exec"), mod.__dict__)  # noqa: S102
+        return mod
     spec = importlib.util.spec_from_file_location(f"_shardc_parallelize_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,8 +1,9 @@
 """``shardc verify MODEL --plan plan.json [--world N]``: run a plan for real and check it.
 
-Spawns N gloo processes on loopback, shards the model file's ``tiny_model()`` with the plan's
-per-op choices (the same runtime as ``parallelize.py``) and compares the logits with the
-unsharded model. An HF ``config.json`` gets a tiny variant derived from it
+Spawns N gloo processes on loopback, shards the model file's ``tiny_model()`` by running the
+``parallelize.py`` of the plan scaled to the tiny model (:func:`tiny_plan`: the file
+``Plan.code`` emits and ``Plan.apply`` runs, the same choices) and compares the logits with
+the unsharded model. An HF ``config.json`` gets a tiny variant derived from it
 (:func:`shardc.frontends.tiny_config.tiny_config`) whose shapes the plan's degrees, capped at
 ``gcd(degree, N)``, divide; its layers are mapped onto the plan's layer kinds through the
 original layers they play. A plan made for a bigger mesh keeps its per-op choices and has its
@@ -35,39 +36,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def fit_problem(model, strategy, layer_kinds) -> str | None:
-    """Why ``strategy`` cannot shard ``model`` (None if it can): shapes the degrees must
-    divide, heads for a heads split, experts for ep, layers for pp."""
-    from shardc.backends.layout import param_placements, param_role
-    from shardc.backends.models import adapter_for
+def fit_problem(graph, strategy, layer_kinds) -> str | None:
+    """Why ``strategy`` cannot shard the model of ``graph`` (its tiny variant, traced; None
+    if it can): the tensor dims its parameters' placements cut (plan.json params rows from
+    the IR) must divide by the degree, packed parts by tp, heads by tp for a heads split,
+    layers by pp."""
+    from shardc.backends.layout import param_plan
 
     deg = strategy.degrees
     kind_of = {i: k for k, ls in layer_kinds.items() for i in ls}
-    for fqn, p in model.named_parameters():
-        pl = param_placements(fqn, p.ndim, strategy, kind_of)
-        role = param_role(fqn)
-        if role is not None and role.fused > 1 and deg.tp > 1:
-            if p.shape[role.dims[0]] % (role.fused * deg.tp):
-                return f"{fqn} {tuple(p.shape)}: packed parts do not split {deg.tp} ways"
-        for dim, spell in zip([d for d in ("dp", "ep", "tp") if getattr(deg, d) > 1], pl):
-            if spell.startswith("S(") and p.shape[int(spell[2:-1])] % getattr(deg, dim):
-                return f"{fqn} {tuple(p.shape)} does not split {getattr(deg, dim)} ways ({dim})"
-    ad = adapter_for(model)
-    if deg.pp > ad.num_layers:
-        return f"pp={deg.pp} > {ad.num_layers} layers"
-    for i in range(ad.num_layers):
-        site = ad.layer(i)
-        kind = kind_of.get(i)
-        if deg.tp > 1 and strategy.choices.get(f"{kind}.attn_core", 2) == 0:
-            a = site.attention
-            if a.heads % deg.tp or a.kv_heads % deg.tp:
-                return f"tp={deg.tp} does not divide {a.heads} heads / {a.kv_heads} KV heads"
-        if site.moe is not None and site.moe.num_experts % deg.ep:
-            return f"ep={deg.ep} does not divide {site.moe.num_experts} experts"
+    dims = deg.spmd_dims()
+    for r in param_plan(graph, strategy, kind_of):
+        fqn, shape = r["fqn"], tuple(r["shape"])
+        for dim, spell in zip(dims, r["placements"]):
+            n = getattr(deg, dim)
+            if spell.startswith("S(") and shape[int(spell[2:-1])] % n:
+                return f"{fqn} {shape} does not split {n} ways ({dim})"
+            if dim == "tp" and spell.startswith("S(") and any(w % n for w in r.get("parts", ())):
+                return f"{fqn} {shape}: packed parts {r['parts']} do not split {n} ways"
+    if deg.pp > graph.num_layers:
+        return f"pp={deg.pp} > {graph.num_layers} layers"
+    for k in graph.layer_kinds:
+        core = k.op("attn_core")
+        heads = (int(core.attrs.get("heads", 0)), int(core.attrs.get("kv_heads", 0))) \
+            if core is not None else (0, 0)
+        for i in k.layers:
+            if deg.tp > 1 and strategy.choices.get(f"{kind_of.get(i)}.attn_core", 2) == 0 \
+                    and (heads[0] % deg.tp or heads[1] % deg.tp):
+                return f"tp={deg.tp} does not divide {heads[0]} heads / {heads[1]} KV heads"
     return None
 
 
-def fit_degrees(model, strategy, layer_kinds, world: int):
+def fit_degrees(graph, strategy, layer_kinds, world: int):
     """Largest degrees dividing the plan's (same choices) that fit ``world`` ranks and the
     model; dp then fills the remaining ranks. Returns (strategy, notes)."""
     from shardc.ir.strategy import Degrees, Strategy
@@ -82,7 +82,7 @@ def fit_degrees(model, strategy, layer_kinds, world: int):
             continue
         cand = Strategy(Degrees(**deg, sp=deg["tp"] if d0.sp > 1 else 1), strategy.batch,
                         dict(strategy.choices))
-        if fit_problem(model, cand, layer_kinds) is not None:
+        if fit_problem(graph, cand, layer_kinds) is not None:
             continue
         kept = sum(1 for n in names if getattr(d0, n) > 1 and deg[n] > 1)
         key = (prod, kept, deg["tp"], deg["ep"], deg["pp"], deg["dp"])
@@ -101,14 +101,19 @@ def fit_degrees(model, strategy, layer_kinds, world: int):
     return best, notes
 
 
-def _tiny_layer_kinds(model, plan) -> dict[str, list[int]]:
-    from shardc.backends.models import default_layer_kinds
+def _dense_or_moe(graph) -> dict[int, str]:
+    """Tiny layer -> ``moe_block`` (it has experts) or ``dense_block``, from its graph."""
+    return {i: "moe_block" if k.op("expert_ffn1") is not None else "dense_block"
+            for k in graph.layer_kinds for i in k.layers}
+
+
+def _tiny_layer_kinds(graph, model, plan) -> dict[str, list[int]]:
     from shardc.errors import InputError
 
-    source = _source_kinds(model, plan)
+    source = _source_kinds(graph, model, plan)
     if source is not None:
         return source
-    inferred = default_layer_kinds(model)
+    inferred = _dense_or_moe(graph)
     names = [k["name"] for k in plan.layer_kinds]
     kinds: dict[str, list[int]] = {}
     for i, k in inferred.items():
@@ -121,19 +126,18 @@ def _tiny_layer_kinds(model, plan) -> dict[str, list[int]]:
     return kinds
 
 
-def _source_kinds(model, plan) -> dict[str, list[int]] | None:
+def _source_kinds(graph, model, plan) -> dict[str, list[int]] | None:
     """Kind -> tiny layers when the tiny model records which original layer each of its layers
     plays (``config.shardc_source_layers``, set by tiny_config) and the plan lists its kinds'
     layers: tiny layer i gets the plan kind of original layer ``source[i]``. Refused (one
     line) when that kind is dense and the tiny layer has experts, or the other way round."""
-    from shardc.backends.models import default_layer_kinds
     from shardc.errors import InputError
 
     source = getattr(getattr(model, "config", None), "shardc_source_layers", None)
     if not source or not all(k.get("layers") for k in plan.layer_kinds):
         return None
     plan_kind = {i: k["name"] for k in plan.layer_kinds for i in k["layers"]}
-    inferred = default_layer_kinds(model)
+    inferred = _dense_or_moe(graph)
     kinds: dict[str, list[int]] = {}
     for i, orig in enumerate(source):
         name = plan_kind.get(orig)
@@ -165,31 +169,55 @@ def _degree_caps(strategy, world: int) -> dict[str, int]:
     return {n: math.gcd(getattr(deg, n), world) for n in ("tp", "ep", "pp", "dp")}
 
 
+def tiny_plan(plan, graph, strategy, layer_kinds):
+    """``plan`` for the tiny model of ``graph`` at the scaled ``strategy``: the same choices,
+    the scaled degrees and mesh, the tiny layers under the plan's layer kinds and the tiny
+    model's params rows (IR roles, :func:`shardc.backends.layout.param_plan`)."""
+    from dataclasses import replace
+
+    from shardc.backends.layout import param_plan
+
+    deg = strategy.degrees
+    shape, names = deg.logical_mesh()
+    kind_of = {i: k for k, ls in layer_kinds.items() for i in ls}
+    return replace(plan, degrees=dict(deg.as_dict()),
+                   logical_mesh={"shape": list(shape), "dim_names": list(names)},
+                   spmd_dims=deg.spmd_dims(),
+                   mesh={**plan.mesh, "gpus_per_node": deg.world, "nodes": 1},
+                   model={**plan.model, "layers": graph.num_layers},
+                   layer_kinds=[{"name": k, "count": len(ls), "layers": list(ls)}
+                                for k, ls in layer_kinds.items()],
+                   params=param_plan(graph, strategy, kind_of), nodes=[])
+
+
 def run(args) -> int:
+    from shardc.backends.support import check_module
     from shardc.backends.verify import Case, run_cases
+    from shardc.frontends import graph_from_module
     from shardc.frontends.model_file import load_model_file
-    from shardc.ir.contract import choice_name
     from shardc.plan import load_plan
 
     _check_args(args)
     plan = load_plan(args.plan)
     caps = _degree_caps(plan.strategy(), args.world)
     src = load_model_file(args.model, tiny_degrees=caps)
-    model, _ = src.build(tiny=True)
+    model, inputs = src.build(tiny=True)
     source = getattr(getattr(model, "config", None), "shardc_source_layers", None)
     if source and args.model.endswith(".json"):
         params = sum(p.numel() for p in model.parameters())
         print(f"tiny variant of {args.model}: {type(model).__name__} with the original layers "
               f"{source}, {params / 1e6:.2f}M parameters (float32, CPU)")
-    kinds = _tiny_layer_kinds(model, plan)
-    strategy, notes = fit_degrees(model, plan.strategy(), kinds, args.world)
+    check_module(model, args.model)  # a model no parallelize.py can run: exit 2, as compile
+    graph = graph_from_module(model, inputs, name=src.name)
+    kinds = _tiny_layer_kinds(graph, model, plan)
+    strategy, notes = fit_degrees(graph, plan.strategy(), kinds, args.world)
     deg = strategy.degrees
     if notes:
         print(f"scaled the plan's degrees to fit {args.world} ranks and the tiny model: "
               + ", ".join(notes) + " (per-op choices kept)")
-    choices = {k: choice_name(k.split(".")[-1], v) for k, v in strategy.choices.items()}
-    case = Case("plan", {k: getattr(deg, k) for k in ("tp", "pp", "ep", "dp", "sp")}, choices,
-                kinds)
+    # the scaled plan's own parallelize.py, the file Plan.apply runs (same choices)
+    case = Case("plan", deg.as_dict(), {}, kinds,
+                code_text=tiny_plan(plan, graph, strategy, kinds).code())
     # a config.json's tiny model depends on the degree caps: the workers build the same one
     extra = {"tiny_degrees": caps} if args.model.endswith(".json") else {}
     res = run_cases(args.model, [case], deg.world, seq=args.seq, **extra)[0]

@@ -208,9 +208,15 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
     params: dict[str, Param] = {}
     for fqn, p in model.named_parameters():
         params[fqn] = Param(fqn=fqn, shape=[int(s) for s in p.shape], dtype=dtype_name(p.dtype))
-
     graph = Graph(name=name, source=source, params=list(params.values()))
+    # a tied weight reached under another name (GPT-2's lm_head.weight) is the one Param
+    canonical = {id(p): fqn for fqn, p in model.named_parameters()}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if fqn not in params and id(p) in canonical:
+            params[fqn] = params[canonical[id(p)]]
     alias: dict[str, list[Param]] = {}  # fx name -> params it is a view of
+    # fx name -> the parameter's dims in the order the view shows them (None: reshaped)
+    dim_order: dict[str, tuple[int, ...] | None] = {}
     produced: set[str] = set()  # fx names that are IR nodes (valid inputs)
     rename: dict[str, str] = {}  # graph inputs: args_0 -> input_ids
     nodes: list[Node] = []
@@ -224,6 +230,7 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                     val = fx.meta.get("val")
                     p = Param(fqn=fqn, shape=list(val.shape), dtype=dtype_name(val.dtype))
                 alias[fx.name] = [p]
+                dim_order[fx.name] = tuple(range(len(p.shape)))
             elif fx.name in user_inputs:
                 shape, dt, _ = _output_meta(fx.meta.get("val"))
                 count = sum(1 for n in nodes if n.op == "input")
@@ -254,15 +261,20 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
         if (tensor_args and all(a.name in alias for a in tensor_args)
                 and (base in _PARAM_VIEW_OPS or tname == "getitem")):
             alias[fx.name] = [p for a in tensor_args for p in alias[a.name]]
+            dim_order[fx.name] = _view_dims(base, fx, dim_order.get(tensor_args[0].name))
             continue
         node_params: list[Param] = []
         inputs: list[str] = []
         in_shapes: list[list[int]] = []
+        param_dims: dict[str, list[int] | None] = {}
         for a in arg_nodes:
             if a.name in alias:
                 for p in alias[a.name]:
                     if p not in node_params:
                         node_params.append(p)
+                    order = dim_order.get(a.name)
+                    if order != tuple(range(len(p.shape))) and p.fqn not in param_dims:
+                        param_dims[p.fqn] = None if order is None else list(order)
             elif a.name in produced:
                 inputs.append(rename.get(a.name, a.name))
                 in_shapes.append(_output_meta(a.meta.get("val"))[0])
@@ -272,6 +284,9 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
                     layer=layer_of(mpath))
         if len(shapes) > 1:
             node.attrs["output_shapes"] = shapes
+        if param_dims:  # per parameter (node.params order) the dims as the op sees them
+            node.attrs["param_dims"] = [param_dims.get(p.fqn, list(range(len(p.shape))))
+                                        for p in node_params]
         scalars = [a for a in fx.args if isinstance(a, (int, float, bool)) and not isinstance(a, torch.fx.Node)]
         if scalars:
             node.attrs["scalars"] = scalars
@@ -284,6 +299,30 @@ def program_to_graph(ep: torch.export.ExportedProgram, model: nn.Module, name: s
     record_windows(nodes, model, layer_of)
     graph.nodes = nodes
     return graph
+
+
+_KEEP_DIMS = {"to", "_to_copy", "contiguous", "alias", "clone", "detach", "type_as"}
+
+
+def _view_dims(base: str, fx: torch.fx.Node, order: tuple[int, ...] | None
+               ) -> tuple[int, ...] | None:
+    """The parameter dims in the order view ``fx`` (op ``base``) of a parameter view shows
+    them, given ``order`` for its input: a transpose / permute reorders them, a cast keeps
+    them, any other view (reshape, expand, ...) loses the correspondence (None)."""
+    if order is None or base in _KEEP_DIMS:
+        return order
+    n = len(order)
+    if base in ("t", "numpy_T", "mT") and n >= 2:
+        return (*order[:-2], order[-1], order[-2])
+    args = [a for a in fx.args[1:] if isinstance(a, int)]
+    if base == "transpose" and len(args) == 2:
+        i, j = (a % n for a in args)
+        out = list(order)
+        out[i], out[j] = out[j], out[i]
+        return tuple(out)
+    if base == "permute" and len(fx.args) > 1 and isinstance(fx.args[1], (list, tuple)):
+        return tuple(order[int(d) % n] for d in fx.args[1])
+    return None
 
 
 def nodes_by_name_shape(nodes: list[Node], name: str) -> list[int]:

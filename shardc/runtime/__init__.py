@@ -19,13 +19,25 @@ from shardc.runtime.apply import (
     make_mesh,
     submesh,
 )
+from shardc.runtime.experts import ExpertParallel
 from shardc.runtime.pipeline import keep_stage, pipeline
-from shardc.runtime.styles import BatchSplitAttention, ExpertParallel, ReplicateParallel
+from shardc.runtime.styles import (
+    BatchSplitAttention,
+    FullWidthNormParallel,
+    HeadParallelAttention,
+    PrepareHiddenStates,
+    ReplicateParallel,
+    RouterParallel,
+    WeightColwiseParallel,
+    WeightRowwiseParallel,
+)
 
-SOURCES = ("styles.py", "apply.py")  # inlined in this order by ``--standalone``
+SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``--standalone``
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
-__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "PrepareModuleInput",
-           "Replicate", "ReplicateParallel", "RowwiseParallel", "SOURCES", "Shard", "apply_plan",
-           "decoder_layers", "install_batch_split", "keep_stage", "make_mesh", "parallelize_module",
-           "pipeline", "submesh"]
+__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
+           "HeadParallelAttention", "PIPELINE_SOURCES", "PrepareHiddenStates",
+           "PrepareModuleInput", "Replicate", "ReplicateParallel", "RouterParallel",
+           "RowwiseParallel", "SOURCES", "Shard", "WeightColwiseParallel",
+           "WeightRowwiseParallel", "apply_plan", "decoder_layers", "install_batch_split",
+           "keep_stage", "make_mesh", "parallelize_module", "pipeline", "submesh"]

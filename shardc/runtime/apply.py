@@ -5,9 +5,9 @@ dp x ep batch split at the model boundary, and :func:`apply_plan`.
 A plan here is plain data of ParallelStyles (built by ``parallelize.py`` from the
 strategy)::
 
-    {"layer_kinds": {kind: [layer indices]},
+    {"layer_kinds": {kind: [layer indices]}, "layers_path": "model.layers",
      "layers": {kind: {"self_attn.q_proj": ColwiseParallel(), ...}},   # tp mesh
-     "experts": {kind: ExpertParallel(...)},                           # ep x tp mesh
+     "experts": {kind: {"mlp.experts": ExpertParallel(...)}},          # ep x tp mesh
      "model": {"model.embed_tokens": RowwiseParallel(...), "lm_head": ...}}  # tp mesh
 """
 
@@ -34,10 +34,10 @@ def submesh(world_mesh, dims):
     return world_mesh[have if len(have) > 1 else have[0]]
 
 
-def decoder_layers(model: nn.Module):
-    """``model.model.layers`` of an HF ``*ForCausalLM`` (Llama, Qwen, Mistral, Mixtral,
-    DeepSeek, ...)."""
-    return model.model.layers
+def decoder_layers(model: nn.Module, path: str = "model.layers"):
+    """The decoder-layer list of ``model`` at module ``path`` (``model.layers`` of an HF
+    ``*ForCausalLM``, ``transformer.h`` of GPT-2, ``layers`` of a plain model)."""
+    return model.get_submodule(path)
 
 
 def batch_mesh(world_mesh):
@@ -102,14 +102,18 @@ def apply_plan(model: nn.Module, plan: dict, world_mesh) -> nn.Module:
     (``src_data_rank=None``: no broadcast). Returns the model to call."""
     tp_mesh = submesh(world_mesh, ("tp",))
     expert_mesh = submesh(world_mesh, ("ep", "tp"))
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, plan.get("layers_path", "model.layers"))
     for kind, indices in plan.get("layer_kinds", {}).items():
         for i in indices:
             if tp_mesh is not None and plan.get("layers", {}).get(kind):
                 parallelize_module(layers[i], tp_mesh, plan["layers"][kind], src_data_rank=None)
-            if expert_mesh is not None and kind in plan.get("experts", {}):
-                parallelize_module(layers[i].mlp.experts, expert_mesh, plan["experts"][kind],
-                                   src_data_rank=None)
+            experts = plan.get("experts", {}).get(kind)
+            if expert_mesh is not None and experts is not None:
+                if not isinstance(experts, dict):
+                    experts = {"mlp.experts": experts}
+                for suffix, style in experts.items():
+                    parallelize_module(layers[i].get_submodule(suffix), expert_mesh, style,
+                                       src_data_rank=None)
     if tp_mesh is not None and plan.get("model"):
         parallelize_module(model, tp_mesh, plan["model"], src_data_rank=None)
     return install_batch_split(model, world_mesh)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import (
     DTensor,
@@ -32,7 +31,7 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 def move(x: torch.Tensor, mesh, src, dst) -> torch.Tensor:
@@ -108,102 +107,186 @@ class BatchSplitAttention(ParallelStyle):
         return module
 
 
-def interleave(t: torch.Tensor, dim: int, parts: int, n: int) -> torch.Tensor:
-    """Reorder ``dim`` = [part0 | part1 | ...] into [part0_r0, part1_r0, ..., part0_r1, ...]:
-    a contiguous n-way split then gives every rank its matching slice of every part."""
-    c = t.shape[dim] // (parts * n)
-    return t.unflatten(dim, (parts, n, c)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+def interleave(t: torch.Tensor, dim: int, parts, n: int) -> torch.Tensor:
+    """Reorder ``dim`` = [part0 | part1 | ...] (``parts``: their widths, or a count of equal
+    parts) into [part0_r0, part1_r0, ..., part0_r1, ...]: a contiguous n-way split then gives
+    every rank its matching slice of every part."""
+    widths = [t.shape[dim] // parts] * parts if isinstance(parts, int) else list(parts)
+    if sum(widths) != t.shape[dim] or any(w % n for w in widths):
+        raise ValueError(f"packed parts {widths} of dim {dim} {tuple(t.shape)} do not split "
+                         f"{n} ways")
+    pieces = [p.chunk(n, dim) for p in t.split(widths, dim)]
+    return torch.cat([c[r] for r in range(n) for c in pieces], dim)
 
 
-class ExpertParallel(ParallelStyle):
-    """HF stacked experts on a mesh of dims ``ep`` and/or ``tp`` (the module's forward is
-    ``experts(tokens [T, h], top_k_index [T, k], top_k_weights [T, k]) -> [T, h]``).
+def _distribute(style, module: nn.Module, device_mesh) -> nn.Module:
+    """``distribute_module`` with ``style``'s partition and its torch input / output hooks."""
+    inputs, desired = style.input_layouts, style.desired_input_layouts
+    outputs, local = style.output_layouts, style.use_local_output
+    return distribute_module(
+        module, device_mesh, style._partition_linear_fn,
+        lambda mod, args, mesh: style._prepare_input_fn(inputs, desired, mod, args, mesh),
+        lambda mod, out, mesh: style._prepare_output_fn(outputs, local, mod, out, mesh))
 
-    Over ``ep`` the expert dim is ``Shard(0)``. Over ``tp`` with ``tp_split`` the experts are
-    column parallel then row parallel (``gate_up_proj`` ``Shard(1)`` with gate|up
-    interleaved per rank, ``down_proj`` ``Shard(2)``; the partial sums travel back as they
-    are and are all-reduced over tp after the weighted top-k sum, on ``T`` rows rather than
-    ``T x top_k``); without it they stay replicated over tp. Dispatch: the routed
-    (token, expert) pairs are sorted by expert, the per-expert counts exchanged
-    (``all_to_all_single`` of ``E`` integers), then the rows go to their experts' owners with
-    one uneven ``all_to_all_single`` and come back with one more."""
 
-    def __init__(self, *, tp_split: bool = True):
-        super().__init__()
-        self.tp_split = tp_split
+class WeightColwiseParallel(ColwiseParallel):
+    """torch's ``ColwiseParallel`` for a module whose weight torch's style cannot place: stored
+    with the output features at dim ``out_dim`` (GPT-2's ``Conv1D`` keeps ``[in, out]``:
+    ``out_dim=1``) and/or packing ``parts`` along them (widths of q|k|v, gate|up: each part
+    is cut n ways, a rank's slices side by side, so its output is [q_r | k_r | v_r]). The
+    bias follows the output features. Inputs and outputs as ``ColwiseParallel``."""
+
+    def __init__(self, *, out_dim: int = 0, parts=(), **kwargs):
+        super().__init__(**kwargs)
+        self.out_dim, self.parts = out_dim, tuple(parts)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = self.out_dim if param.ndim > 1 else 0
+            full = param.detach()
+            if self.parts:
+                full = interleave(full, dim, self.parts, device_mesh.size())
+            dt = distribute_tensor(full, device_mesh, [Shard(dim)],
+                                   src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=False))
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        names = tuple(device_mesh.mesh_dim_names)
-        tp = device_mesh.size(names.index("tp")) if "tp" in names else 1
-        split = self.tp_split and tp > 1
+        return _distribute(self, module, device_mesh)
 
-        def partition(_name, mod, mesh):
-            if mod is not module:
-                return
-            for name, tp_dim in (("gate_up_proj", 1), ("down_proj", 2)):
-                full = getattr(mod, name).detach()
-                if name == "gate_up_proj" and split:
-                    full = interleave(full, 1, 2, tp)
-                placements = [Shard(0) if d == "ep" else Shard(tp_dim) if split else Replicate()
-                              for d in names]
-                dt = distribute_tensor(full, mesh, placements, src_data_rank=self.src_data_rank)
-                mod.register_parameter(name, nn.Parameter(dt, requires_grad=False))
 
-        distribute_module(module, device_mesh, partition)
-        ep_group = device_mesh.get_group("ep") if "ep" in names else None
-        tp_group = device_mesh.get_group("tp") if split else None
+class WeightRowwiseParallel(RowwiseParallel):
+    """torch's ``RowwiseParallel`` for a weight stored with the input features at dim
+    ``in_dim`` (GPT-2's ``Conv1D``: ``in_dim=0``); the bias stays whole (added once to the
+    partial sums). Inputs and outputs as ``RowwiseParallel``."""
 
-        def forward(hidden, top_k_index, top_k_weights):
-            return _dispatch_compute_combine(module, hidden, top_k_index, top_k_weights,
-                                             ep_group, tp_group)
+    def __init__(self, *, in_dim: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.in_dim = in_dim
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            place = [Shard(self.in_dim)] if param.ndim > 1 else [Replicate()]
+            dt = distribute_tensor(param.detach(), device_mesh, place,
+                                   src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=False))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return _distribute(self, module, device_mesh)
+
+
+class PrepareHiddenStates(ParallelStyle):
+    """``PrepareModuleInput`` for a module's first input, whether passed positionally (GPT-2,
+    plain models) or as ``hidden_states=`` (HF decoder layers): the local tensor at
+    ``input_layouts`` is moved to ``desired_input_layouts``."""
+
+    def __init__(self, *, input_layouts, desired_input_layouts):
+        super().__init__()
+        self.src, self.dst = input_layouts, desired_input_layouts
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def pre(mod, args, kwargs):
+            if args:
+                return (move(args[0], device_mesh, self.src, self.dst), *args[1:]), kwargs
+            kwargs = dict(kwargs)
+            kwargs["hidden_states"] = move(kwargs["hidden_states"], device_mesh, self.src,
+                                           self.dst)
+            return args, kwargs
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        return module
+
+
+# integer attributes an attention module's own forward sizes its head views from when its
+# q|k|v come packed in one projection (GPT-MoE's ``num_heads``, GPT-2's ``split_size``)
+HEAD_SIZES = ("num_heads", "num_key_value_heads", "split_size")
+
+
+class FullWidthNormParallel(ParallelStyle):
+    """An RMSNorm over a whole projection (OLMoE's q/k norms over all heads) applied to
+    this rank's heads of it (``Shard(-1)``): the sum of squares is all-reduced over tp (one
+    ``[tokens, 1]`` all-reduce) and the rank's slice of the weight, kept whole on every
+    rank, scales its features. Same maths as the model's RMSNorm (float32 statistics)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group, n = device_mesh.get_group(), device_mesh.size()
+        i = device_mesh.get_local_rank()
+        eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+        def forward(x):
+            width = x.shape[-1] * n
+            h = x.to(torch.float32)
+            sq = h.pow(2).sum(-1, keepdim=True)
+            dist.all_reduce(sq, group=group)
+            h = h * torch.rsqrt(sq / width + eps)
+            return module.weight.chunk(n)[i] * h.to(x.dtype)
 
         module.forward = forward
         return module
 
 
-def _dispatch_compute_combine(module, x, idx, weights, ep_group, tp_group) -> torch.Tensor:
-    """Routed output [T, h] of tokens ``x`` [T, h] (see :class:`ExpertParallel`)."""
-    t, k = idx.shape
-    num_experts = int(module.num_experts)
-    pair_expert = idx.reshape(-1)
-    order = torch.argsort(pair_expert, stable=True)  # (token, k) pairs grouped by expert
-    rows = x[order // k]
-    counts = torch.bincount(pair_expert, minlength=num_experts)  # rows per expert, [E]
-    if ep_group is not None:
-        ep = dist.get_world_size(ep_group)
-        recv_counts = torch.empty_like(counts)  # [ep source, local expert], flattened
-        dist.all_to_all_single(recv_counts, counts, group=ep_group)
-        send_splits = counts.view(ep, -1).sum(1).tolist()
-        recv_splits = recv_counts.view(ep, -1).sum(1).tolist()
-        recv = rows.new_empty(sum(recv_splits), x.shape[1])
-        dist.all_to_all_single(recv, rows, recv_splits, send_splits, group=ep_group)
-        per_src = recv_counts.view(ep, -1)
-        local = per_src.shape[1]
-        row_expert = torch.arange(local).repeat(ep).repeat_interleave(per_src.reshape(-1))
-        regroup = torch.argsort(row_expert, stable=True)  # source-major -> expert-major
-        out = _local_experts(module, recv[regroup], per_src.sum(0).tolist())
-        back = torch.empty_like(out)
-        back[regroup] = out
-        out = rows.new_empty(rows.shape)
-        dist.all_to_all_single(out, back, send_splits, recv_splits, group=ep_group)
-    else:
-        out = _local_experts(module, rows, counts.tolist())
-    pairs = torch.empty_like(out)
-    pairs[order] = out
-    # as HF's experts: each weighted row cast to the activation dtype, then summed
-    out = (pairs.view(t, k, -1) * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
-    if tp_group is not None:  # tp partial sums reduced once per token, after the top-k sum
-        dist.all_reduce(out, group=tp_group)
-    return out
+class HeadParallelAttention(PrepareHiddenStates):
+    """A heads split of an attention module whose packed q|k|v projection is column
+    parallel (:class:`WeightColwiseParallel` with ``parts``): the module's head-count
+    attributes (:data:`HEAD_SIZES`, those it has) become this rank's share, so its own
+    forward views the local [q_r | k_r | v_r] as its heads. Given layouts, it also moves
+    its input as :class:`PrepareHiddenStates` (one style per module)."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None):
+        super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.src is not None:
+            super()._apply(module, device_mesh)
+        n = device_mesh.size()
+        for name in HEAD_SIZES:
+            value = getattr(module, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % n:
+                    raise ValueError(f"{name}={value} does not split over tp={n}")
+                setattr(module, name, value // n)
+        return module
 
 
-def _local_experts(module, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """This rank's experts over ``rows`` grouped by expert (``sizes[j]`` rows for local
-    expert j): gated MLP with the local weight shards (tp-split: partial sums)."""
-    gate_up = module.gate_up_proj.to_local()
-    down = module.down_proj.to_local()
-    outs = []
-    for j, chunk in enumerate(rows.split(sizes)):
-        gate, up = F.linear(chunk, gate_up[j]).chunk(2, dim=-1)
-        outs.append(F.linear(module.act_fn(gate) * up, down[j]))
-    return torch.cat(outs) if outs else rows.new_empty(0, rows.shape[1])
+class RouterParallel(ParallelStyle):
+    """A column / row parallel MoE router: ``style`` (torch's ``ColwiseParallel`` /
+    ``RowwiseParallel``) as is on an ``nn.Linear`` router (GPT-MoE); an HF router module
+    (which computes its scores, top-k and weights itself) gets its weight as that style
+    shards it and its input as a DTensor, so its own code runs on DTensors: the softmax over
+    the sharded expert scores all-gathers them (col) or reduces the partial sums (row), the
+    collective the plan charges (under sequence parallelism: an all-gather / all-reduce of
+    the scores where the plan charges an all-to-all / reduce-scatter); its outputs leave at
+    the style's output layout (a token-row split is a local slice), as local tensors (the
+    returned raw scores, unused by the block's forward, are gathered too: not charged)."""
+
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.style.src_data_rank = self.src_data_rank
+        if isinstance(module, nn.Linear):
+            return self.style._apply(module, device_mesh)
+        row = isinstance(self.style, RowwiseParallel)
+        dt = distribute_tensor(module.weight.detach(), device_mesh,
+                               [Shard(1) if row else Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter("weight", nn.Parameter(dt, requires_grad=False))
+        src, out = self.style.input_layouts[0], self.style.output_layouts[0]
+        need = Shard(-1) if row else Replicate()
+
+        def pre(mod, args):
+            x = DTensor.from_local(args[0], device_mesh, (src,), run_check=False)
+            return (x.redistribute(device_mesh, (need,)), *args[1:])
+
+        def local(t):
+            if not isinstance(t, DTensor):
+                return t
+            return t.redistribute(device_mesh, (Replicate(),)).redistribute(
+                device_mesh, (out,)).to_local()
+
+        def post(mod, args, out):
+            return tuple(local(t) for t in out) if isinstance(out, tuple) else local(out)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module

@@ -1,0 +1,175 @@
+"""Which fused op each parameter belongs to, and which of its tensor dims a choice cuts --
+read from the graph, not from parameter names.
+
+A parameter's node says it all: ``Node.fused_op`` (set by the fused-op pass), ``Node.layer``,
+the input / output widths of the node (``in`` / ``out`` features) and, when the frontend saw
+a parameter through a transpose, ``Node.attrs["param_dims"]`` (per parameter of the node, its
+dims in the order the op reads them). An op reads a weight as ``[out, in]`` when it is a canonical
+``linear`` from ``aten.linear`` (``x @ W^T``), as ``[..., in, out]`` otherwise (``addmm`` /
+``mm`` / grouped matmuls: ``x @ W``, e.g. GPT-2's Conv1D, stacked experts), and an embedding
+table as ``[vocab, hidden]``; where the widths tell the two apart (``in != out``) they win.
+
+:class:`ParamUse` per parameter FQN:
+
+* ``op``: the fused op (``qkv``, ``ffn1``, ``expert_ffn2``, ``embedding``, ...) or None (norms,
+  learned position tables, MLA's low-rank down projections: replicated over tp);
+* ``layer``: the decoder-layer index (None outside the repeated blocks);
+* ``split_dims``: the tensor dim cut by choice 0 and by choice 1 (``OpChoice.weight_split``:
+  ``out`` / ``in`` features, ``vocab`` / ``hidden`` of the embedding); a bias follows its
+  output features (choice 0 cuts dim 0, choice 1 none);
+* ``expert_dim``: the stacked-expert dim (split over ep) or None;
+* ``parts``: widths (elements) of the equal-role parts packed along the output features of
+  one parameter -- ``[q, k, v]`` of a packed qkv, ``[gate, up]`` of a packed gated FFN -- that a
+  column split must cut part by part; ``[]`` when not packed;
+* ``tied``: ``[(op, module path)]`` of the other fused ops reading the same (tied) weight
+  through another module (GPT-2's and Gemma-2's ``lm_head`` reading the embedding table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardc.ir.graph import Graph, LayerKind, Node
+
+_GATED_FIRST = ("ffn1", "shared_ffn1", "expert_ffn1")
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    op: str | None
+    layer: int | None
+    split_dims: tuple[int | None, int | None] = (None, None)
+    expert_dim: int | None = None
+    parts: list[int] = field(default_factory=list)
+    tied: list[tuple[str, str]] = field(default_factory=list)
+
+    def as_row(self) -> dict:
+        """plan.json ``params[]`` fields of this use (see :mod:`shardc.plan`)."""
+        row = {"op": self.op, "layer": self.layer, "split_dims": list(self.split_dims)}
+        if self.expert_dim is not None:
+            row["expert_dim"] = self.expert_dim
+        if self.parts:
+            row["parts"] = list(self.parts)
+        if self.tied:
+            row["tied"] = [{"op": op, "module": mod} for op, mod in self.tied]
+        return row
+
+
+def _in_out(n: Node) -> tuple[int, int]:
+    if "expert_features" in n.attrs:
+        a, b = n.attrs["expert_features"]
+        return int(a), int(b)
+    k = int(n.input_shapes[0][-1]) if n.input_shapes and n.input_shapes[0] else -1
+    return k, int(n.output_shape[-1]) if n.output_shape else -1
+
+
+def _seen_dims(n: Node, i: int) -> list[int] | None:
+    """Dims of ``n.params[i]`` in the order the op reads them (``Node.attrs["param_dims"]``,
+    one entry per parameter; None: seen through a reshape)."""
+    dims = n.attrs.get("param_dims")
+    if dims is None or i >= len(dims):
+        return list(range(len(n.params[i].shape)))
+    return dims[i]
+
+
+def _weight_dims(n: Node, i: int, shape: list[int]) -> tuple[int | None, int | None]:
+    """(out dim, in dim) of weight ``n.params[i]`` (``shape``) as node ``n`` reads it."""
+    nd = len(shape)
+    order = _seen_dims(n, i)
+    if order is None or nd < 2:  # seen through a reshape: the widths alone decide
+        order = list(range(nd))
+    k, m = _in_out(n)
+    seen = [shape[d] for d in order]
+    if seen[-1] == k and seen[-2] == m and k != m:
+        out_pos, in_pos = nd - 2, nd - 1
+    elif seen[-2] == k and seen[-1] == m and k != m:
+        out_pos, in_pos = nd - 1, nd - 2
+    elif n.target.split(".")[:2] == ["aten", "linear"]:
+        out_pos, in_pos = nd - 2, nd - 1
+    else:
+        out_pos, in_pos = nd - 1, nd - 2
+    return order[out_pos], order[in_pos]
+
+
+def _packed_parts(graph: Graph, kind: LayerKind | None, op: str, width: int,
+                  weights_in_op: int) -> list[int]:
+    """Widths of the parts one parameter of ``op`` packs (see the module docstring)."""
+    if weights_in_op != 1 or kind is None:
+        return []
+    fused = kind.op(op)
+    if op == "qkv":
+        core = kind.op("attn_core")
+        if core is None:
+            return []
+        a = core.attrs
+        q = int(a.get("heads", 0)) * int(a.get("head_dim", 0))
+        kv = int(a.get("kv_heads", 0))
+        parts = [q, kv * int(a.get("head_dim", 0)), kv * int(a.get("v_head_dim", a.get("head_dim", 0)))]
+        return parts if sum(parts) == width and all(parts) else []
+    if op in _GATED_FIRST and fused is not None and fused.attrs.get("gated") and width % 2 == 0:
+        return [width // 2, width // 2]
+    return []
+
+
+def param_uses(graph: Graph) -> dict[str, ParamUse]:
+    """FQN -> :class:`ParamUse` for every parameter a fused op reads (the first op reading a
+    tied weight owns it: the embedding); parameters no fused op reads are absent."""
+    kind_of = {i: k for k in graph.layer_kinds for i in k.layers}
+    # the embedding op's table is the first embedding node's (as the layer pass counts it);
+    # later ones (GPT-2's learned positions) stay replicated
+    table = next((n.params[0].fqn for n in graph.nodes
+                  if n.fused_op == "embedding" and n.layer is None and n.params), None)
+    # weights (>= 2-D, not low-rank) per (layer, op): one packed parameter or several
+    weights: dict[tuple, set[str]] = {}
+    for n in graph.nodes:
+        if n.fused_op and not n.attrs.get("low_rank"):
+            weights.setdefault((n.layer, n.fused_op), set()).update(
+                p.fqn for p in n.params if len(p.shape) >= 2)
+    uses: dict[str, ParamUse] = {}
+    for n in graph.nodes:
+        for i, p in enumerate(n.params):
+            if p.fqn in uses:
+                u = uses[p.fqn]
+                if n.fused_op not in (None, "norm", u.op) and len(p.shape) >= 2 \
+                        and (n.fused_op, n.module_path) not in u.tied:
+                    u.tied.append((n.fused_op, n.module_path))
+                continue
+            op = n.fused_op
+            if op in (None, "norm", "attn_core") or n.attrs.get("low_rank"):
+                uses[p.fqn] = ParamUse(None, n.layer)
+                continue
+            if op == "embedding" and p.fqn != table:
+                uses[p.fqn] = ParamUse(None, n.layer)  # a learned position table
+                continue
+            shape = [int(s) for s in p.shape]
+            if len(shape) == 1:  # a bias: follows the output features
+                uses[p.fqn] = ParamUse(op, n.layer, (0, None))
+                continue
+            if op == "embedding":
+                order = _seen_dims(n, i) or [0, 1]
+                uses[p.fqn] = ParamUse(op, n.layer, (order[0], order[1]))
+                continue
+            out_d, in_d = _weight_dims(n, i, shape)
+            expert = next((d for d in range(len(shape)) if d not in (out_d, in_d)), None) \
+                if len(shape) == 3 else None
+            parts = _packed_parts(graph, kind_of.get(n.layer), op, shape[out_d],
+                                  len(weights.get((n.layer, op), ())))
+            uses[p.fqn] = ParamUse(op, n.layer, (out_d, in_d), expert, parts)
+    # a bias whose op is packed is packed the same way
+    packed = {(u.layer, u.op): u.parts for u in uses.values() if u.parts}
+    for fqn, u in uses.items():
+        if u.split_dims == (0, None) and (u.layer, u.op) in packed:
+            uses[fqn] = ParamUse(u.op, u.layer, u.split_dims, None, packed[(u.layer, u.op)],
+                                 u.tied)
+    return uses
+
+
+def read_before_layers(graph: Graph) -> set[str]:
+    """FQNs of the parameters outside the decoder layers first read before any layer runs
+    (token and position embeddings: a pipeline's first stage holds them)."""
+    out: set[str] = set()
+    for n in graph.nodes:
+        if n.layer is not None:
+            break
+        out.update(p.fqn for p in n.params)
+    return out
