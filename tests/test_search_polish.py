@@ -96,3 +96,19 @@ def test_polisher_stops_when_every_row_is_polished_and_the_agent_spends_the_rest
     assert len({tuple(a) for a in obj.log}) < 1500  # the agent, not the polisher, repeats
     top = space.values["batch"].index(max(space.values["batch"]))
     assert result.best_action[BATCH] == top and tuple(result.best_action[ATTN]) == (2, 2, 2)
+
+
+def test_with_nothing_feasible_known_the_polisher_screens_every_row_with_megatrons_choices():
+    space = toy_space()  # 8x1: a needle of one feasible row, neither the smallest batch nor tp 1
+    sampler, start = _start(space, tp_value=4)
+    start[BATCH] = 5
+
+    def needle(actions):
+        a = np.atleast_2d(actions)
+        hit = (a[:, :N_DEG] == start[:N_DEG]).all(axis=1) & (a[:, ATTN] == start[ATTN]).all(axis=1)
+        return 100.0 + (a[:, ATTN] == 2).sum(axis=1), hit
+
+    budget = Budget(needle, 2000)
+    RowPolisher(sampler, budget, Archive(space)).run()
+    assert budget.best_action is not None
+    assert (budget.best_action[:N_DEG] == start[:N_DEG]).all()

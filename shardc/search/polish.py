@@ -25,10 +25,15 @@ once the agent has mapped the landscape:
    carried to the neighbouring rows -- batch one step up or down, sequence parallelism
    toggled, and every factor move of the degrees (:meth:`LegalSampler.factor_move`'s
    lattice) with the per-replica batch rescaled so dp * batch stays about the same
-   (x 2**j, j in {-1, 0, 1}) -- once with the polished choices (an illegal one replaced by
+   (x 2**j, j in {-1, 0, 1}; the legal batch nearest in log2) -- once with the polished choices (an illegal one replaced by
    Megatron's) and once with Megatron's choices at the new tp; one batched call.
 3. The next row is the unpolished row with the best value seen (by the agent or by steps
    1-2); repeat until the budget is spent or every row seen is polished.
+
+When the agent found nothing feasible (a feasible set of a few in ten thousand, e.g. a long
+context under tight SLOs), the rows start from a screen (:meth:`RowPolisher.screen`): every
+row with Megatron's op choices, smallest batches first (in serving, a row can also be too
+small for its SLOs, so feasibility is not monotone in the batch).
 
 Every evaluation goes through the :class:`~shardc.search.objective.Budget`; an action
 already evaluated (by the agent or here) is never evaluated twice. Deterministic: no
@@ -183,6 +188,7 @@ class RowPolisher:
         """Seeds in the rows next to ``action``'s (step 2 of the module docstring)."""
         s, a = self.sampler, action
         n_batch = int(s.nvec[BATCH])
+        log_batch = np.log2(np.asarray(self.space.values["batch"], dtype=np.float64))
         out = []
         for db in (-1, 1):
             if 0 <= a[BATCH] + db < n_batch:
@@ -198,9 +204,9 @@ class RowPolisher:
         for triple in s.factor_neighbours(int(a[TP]), int(a[EP]), int(a[PP])):
             b = a.copy()
             b[[TP, EP, PP]] = triple
-            shift = int(round(np.log2(dp / self.space.degree_arrays(b[None])["dp"][0])))
-            for j in (-1, 0, 1):  # dp * batch about the same, x 2**j
-                bb = int(np.clip(a[BATCH] + shift + j, 0, n_batch - 1))
+            shift = np.log2(dp / self.space.degree_arrays(b[None])["dp"][0])
+            for j in (-1, 0, 1):  # dp * batch about the same, x 2**j (nearest in log2)
+                bb = int(np.argmin(np.abs(log_batch - (log_batch[a[BATCH]] + shift + j))))
                 for ops in (self._ops_at(a[N_DEG:], int(b[TP])), self.megatron[int(b[TP])]):
                     c = b.copy()
                     c[BATCH] = bb
@@ -233,9 +239,27 @@ class RowPolisher:
                 best = (v, a)
         return best
 
+    def screen(self) -> None:
+        """Step 0, only when nothing feasible is known: every row (legal degree tuple x
+        batch, smallest batches first) with Megatron's op choices, in one call truncated by
+        the budget."""
+        triples = np.argwhere(self.sampler.pp_mask)
+        n_sp, n_b = int(self.sampler.nvec[SP]), int(self.sampler.nvec[BATCH])
+        deg = np.array([(t, e, p, sp) for t, e, p in triples for sp in range(n_sp)
+                        if self.space.values["tp"][t] > 1 or self.space.values["sp"][sp] == 0
+                        or n_sp == 1], dtype=np.int64).reshape(-1, 4)  # sp at tp 1: one spelling
+        order = np.argsort(self.space.values["batch"], kind="stable")
+        acts = np.zeros((len(deg) * n_b, self.sampler.n_comp), dtype=np.int64)
+        acts[:, [TP, EP, PP, SP]] = np.tile(deg, (n_b, 1))
+        acts[:, BATCH] = np.repeat(order, len(deg))
+        acts[:, N_DEG:] = np.array(self.megatron)[acts[:, TP]]
+        self.evaluate(acts[self.sampler.legal(acts)])
+
     def run(self) -> None:
         """Polish and expand rows, best first, until the budget is spent (BudgetExhausted
         propagates) or no unpolished row is left."""
+        if not self.archive.rows:
+            self.screen()
         while self.budget.remaining > 0:
             nxt = self.next_row()
             if nxt is None:
