@@ -181,7 +181,7 @@ def _agent(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig,
     """The agent's chunks (network lives) over the next ``evaluations`` evaluations."""
     canonical = cfg.tp1_canonical and getattr(budget.objective, "op_choices_free_at_tp1", False)
     stop = budget.evaluations + evaluations
-    chunk_evals = max(evaluations // cfg.chunks, cfg.batch)
+    chunk_evals = max(-(-evaluations // cfg.chunks), cfg.batch)  # a remainder is no extra life
     offsets = sampler.offsets
     while min(budget.remaining, stop - budget.evaluations) > 0:
         chunk_id = lives[0]
