@@ -93,7 +93,8 @@ def test_budget_counts_infeasible_evaluations():
 
 def test_confidence_exit_reinitialises_and_keeps_the_elite():
     """A one-point objective makes the policy converge fast; the search still spends the
-    whole budget over several network lives and keeps the best it found."""
+    whole budget over several network lives and keeps the best it found (the agent alone:
+    no row polishing, whose share of the budget would change the lives' count)."""
     space = toy_space()
     sampler = LegalSampler(space)
     target = sampler.sample(1, np.random.default_rng(5))[0]
@@ -102,13 +103,13 @@ def test_confidence_exit_reinitialises_and_keeps_the_elite():
         hits = (actions == target).sum(axis=1)
         return np.exp(hits.astype(float)), np.ones(len(actions), dtype=bool)
 
-    cfg = RLConfig(lr=3e-3, batch=32)
+    cfg = RLConfig(lr=3e-3, batch=32, polish_frac=0.0)
     result = run_search("rl", space, peaked, budget=1600, seed=0, cfg=cfg)
     assert result.evaluations == 1600
     np.testing.assert_array_equal(result.best_action, target)
     assert result.extra["network_lives"] > cfg.chunks  # early exits happened
     plain = run_search("rl", space, peaked, budget=1600, seed=0,
-                       cfg=RLConfig(lr=3e-3, batch=32, confidence=1.01))
+                       cfg=RLConfig(lr=3e-3, batch=32, confidence=1.01, polish_frac=0.0))
     assert plain.extra["network_lives"] == cfg.chunks  # never confident: one life per chunk
 
 

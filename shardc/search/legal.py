@@ -89,6 +89,13 @@ class LegalSampler:
             a[np.ix_(sel, [TP, EP, PP])] = idx[pick]
         return self.repair(a, rng)
 
+    def factor_neighbours(self, tp: int, ep: int, pp: int) -> np.ndarray:
+        """[K, 3] every legal (tp, ep, pp) index triple one factor move away from the given
+        index triple (:meth:`_factor_move_table`); empty when it has none or is illegal."""
+        idx, adj, lookup = self._factor_moves
+        row = lookup[np.ravel_multi_index((tp, ep, pp), self.pp_mask.shape)]
+        return idx[adj[row]] if row >= 0 else idx[:0]
+
     # ------------------------------------------------------------------ masks
     def component_mask(self, actions: np.ndarray, j: int) -> np.ndarray:
         """[B, nvec[j]] legal values of component ``j`` given the earlier components of

@@ -1,0 +1,271 @@
+"""The agent's last phase: best-first polishing of *degree rows* with branch best responses.
+
+A degree row is the first five action components (tp, ep, pp, sp, batch); the rest are the
+per-op choices. Two facts about the space make a cheap, exhaustive local search possible
+once the agent has mapped the landscape:
+
+* degree rows are few (hundreds to a few thousand) and the agent visits most of them, but
+  it samples each row's op choices jointly with the degrees, so the best value it saw in a
+  row is a noisy lower bound of what the row can do (a row's optimum often differs from
+  every sample the agent drew there in 3-4 op choices at once);
+* at a fixed row, the step time is a sum of one term per (layer kind x branch) with
+  non-negative coefficients (:mod:`shardc.cost.decomposition`; the branches are the IR's
+  :data:`~shardc.ir.contract.BRANCHES` plus the embedding and the lm_head), so the op
+  choices of one branch can be optimised with the others held fixed, and the per-branch best
+  responses combine -- except through the memory limit, which couples them.
+
+:class:`RowPolisher` therefore spends the budget left after the agent's chunks on:
+
+1. **Branch best responses** (:meth:`RowPolisher.polish`): at the row of the best unpolished
+   strategy, every legal combination of each branch's op choices is evaluated with the
+   other branches held (one batched call); the improving branches' best combinations are
+   applied together (falling back to the single best one when the combination does not
+   fit); repeated until no branch improves (at most ``sweeps`` times).
+2. **Row expansion** (:meth:`RowPolisher.expand`): the polished strategy's op choices are
+   carried to the neighbouring rows -- batch one step up or down, sequence parallelism
+   toggled, and every factor move of the degrees (:meth:`LegalSampler.factor_move`'s
+   lattice) with the per-replica batch rescaled so dp * batch stays about the same
+   (x 2**j, j in {-1, 0, 1}; the legal batch nearest in log2) -- once with the polished choices (an illegal one replaced by
+   Megatron's) and once with Megatron's choices at the new tp; one batched call.
+3. The next row is the unpolished row with the best value seen (by the agent or by steps
+   1-2); repeat until the budget is spent or every row seen is polished.
+
+When the agent found nothing feasible (a feasible set of a few in ten thousand, e.g. a long
+context under tight SLOs), the rows start from a screen (:meth:`RowPolisher.screen`): every
+row with Megatron's op choices, smallest batches first (in serving, a row can also be too
+small for its SLOs, so feasibility is not monotone in the batch).
+
+Every evaluation goes through the :class:`~shardc.search.objective.Budget`; an action
+already evaluated (by the agent or here) is never evaluated twice. Deterministic: no
+randomness, ties broken by row order.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from shardc.ir.contract import BRANCHES
+from shardc.ir.space import megatron_op_choices
+from shardc.search.legal import BATCH, EP, N_DEG, PP, SP, TP, LegalSampler
+from shardc.search.objective import Budget
+
+OP_OF_BRANCH = {op: branch for branch, ops in BRANCHES.items() for op in ops}
+
+
+def branch_groups(space) -> list[np.ndarray]:
+    """Action columns of the op slots of each (layer kind, branch), and of each global op
+    (embedding, lm_head) alone, in slot order."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, slot in enumerate(space.op_slots):
+        kind, _, op = slot.rpartition(".")
+        groups.setdefault((kind, OP_OF_BRANCH.get(op, op) if kind else slot), []).append(N_DEG + i)
+    return [np.array(cols, dtype=np.int64) for cols in groups.values()]
+
+
+class Archive:
+    """Every action evaluated (value, or -inf when infeasible) and, per degree row, the best
+    feasible action seen. Rows are keyed by degree *values* (tp, ep, pp, sp, batch), so two
+    spellings of one row (sp "on" at tp = 1 is sp = 1) are one row."""
+
+    def __init__(self, space):
+        self.space = space
+        self.seen: dict[bytes, float] = {}
+        self.rows: dict[tuple[int, ...], tuple[float, np.ndarray]] = {}
+
+    def row_keys(self, actions: np.ndarray) -> list[tuple[int, ...]]:
+        d = self.space.degree_arrays(np.atleast_2d(actions))
+        cols = np.stack([d[c] for c in ("tp", "ep", "pp", "sp", "batch")], axis=1)
+        return [tuple(int(x) for x in row) for row in cols]
+
+    def record(self, actions: np.ndarray, values: np.ndarray, feasible: np.ndarray) -> None:
+        keys = self.row_keys(actions) if len(actions) else []
+        for a, v, f, key in zip(actions, values, feasible, keys):
+            val = float(v) if f else -np.inf
+            self.seen[a.tobytes()] = val
+            if f:
+                old = self.rows.get(key)
+                if old is None or val > old[0]:
+                    self.rows[key] = (val, a.copy())
+
+
+class RowPolisher:
+    """Steps 1-3 of the module docstring over ``budget``, starting from ``archive``."""
+
+    def __init__(self, sampler: LegalSampler, budget: Budget, archive: Archive,
+                 ops_free_at_tp1: bool = False, sweeps: int = 3):
+        self.sampler = sampler
+        self.space = sampler.space
+        self.budget = budget
+        self.archive = archive
+        self.sweeps = sweeps
+        self.groups = branch_groups(self.space)
+        tp_values = self.space.values["tp"]
+        self.free_tp = tp_values.index(1) if ops_free_at_tp1 and 1 in tp_values else -1
+        self.megatron = [megatron_op_choices(self.space, t) for t in range(len(tp_values))]
+        self.polished: set[tuple[int, ...]] = set()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, actions: np.ndarray) -> np.ndarray:
+        """Values of ``actions`` [B, A] (-inf when infeasible); only actions never evaluated
+        before go to the budget (duplicates within the call are evaluated once)."""
+        values = np.full(len(actions), -np.inf)
+        new, where = [], {}
+        for i, a in enumerate(actions):
+            k = a.tobytes()
+            if k in self.archive.seen:
+                values[i] = self.archive.seen[k]
+            elif k in where:
+                where[k].append(i)
+            else:
+                where[k] = [i]
+                new.append(a)
+        if new:
+            batch = np.array(new, dtype=np.int64)
+            v, f = self.budget(batch)  # may evaluate fewer when the budget runs out
+            self.archive.record(batch[:len(v)], v, f)
+            for a in batch[:len(v)]:
+                for i in where[a.tobytes()]:
+                    values[i] = self.archive.seen[a.tobytes()]
+        return values
+
+    # ------------------------------------------------------------------ step 1
+    def _combos(self, tp_idx: int, cols: np.ndarray) -> np.ndarray:
+        legal = [np.flatnonzero(self.sampler.op_mask[tp_idx, c - N_DEG]) for c in cols]
+        return np.array(list(itertools.product(*legal)), dtype=np.int64)
+
+    def polish(self, action: np.ndarray, value: float) -> tuple[np.ndarray, float]:
+        """Branch best responses at ``action``'s row (step 1); returns the best action and
+        value reached (``action`` itself when nothing improves)."""
+        cur, cur_v = action.copy(), value
+        if action[TP] == self.free_tp:
+            return cur, cur_v
+        for _ in range(self.sweeps):
+            cands, owner = [], []
+            for g, cols in enumerate(self.groups):
+                combos = self._combos(int(cur[TP]), cols)
+                if len(combos) < 2:
+                    continue
+                acts = np.repeat(cur[None], len(combos), axis=0)
+                acts[:, cols] = combos
+                keep = (combos != cur[cols]).any(axis=1)
+                cands.append(acts[keep])
+                owner += [g] * int(keep.sum())
+            if not cands:
+                break
+            acts = np.concatenate(cands)
+            vals = self.evaluate(acts)
+            owner_a = np.array(owner)
+            improving = []
+            for g in np.unique(owner_a):
+                sel = np.flatnonzero(owner_a == g)
+                i = sel[int(np.argmax(vals[sel]))]
+                if vals[i] > cur_v:
+                    improving.append((vals[i], i, g))
+            if not improving:
+                break
+            improving.sort(key=lambda t: -t[0])
+            best_v, best_i, _ = improving[0]
+            nxt, nxt_v = acts[best_i].copy(), best_v
+            if len(improving) > 1:
+                both = cur.copy()
+                for _, i, g in improving:
+                    both[self.groups[g]] = acts[i, self.groups[g]]
+                both_v = self.evaluate(both[None])[0]
+                if both_v > nxt_v:
+                    nxt, nxt_v = both, both_v
+            cur, cur_v = nxt, nxt_v
+        return cur, cur_v
+
+    # ------------------------------------------------------------------ step 2
+    def _ops_at(self, ops: np.ndarray, tp_idx: int) -> np.ndarray:
+        """``ops`` with every choice illegal at ``tp_idx`` replaced by Megatron's there."""
+        legal = self.sampler.op_mask[tp_idx, np.arange(len(ops)), ops]
+        return np.where(legal, ops, self.megatron[tp_idx])
+
+    def neighbour_rows(self, action: np.ndarray) -> np.ndarray:
+        """Seeds in the rows next to ``action``'s (step 2 of the module docstring)."""
+        s, a = self.sampler, action
+        n_batch = int(s.nvec[BATCH])
+        log_batch = np.log2(np.asarray(self.space.values["batch"], dtype=np.float64))
+        out = []
+        for db in (-1, 1):
+            if 0 <= a[BATCH] + db < n_batch:
+                b = a.copy()
+                b[BATCH] += db
+                out.append(b)
+        for sp in range(int(s.nvec[SP])):
+            if sp != a[SP]:
+                b = a.copy()
+                b[SP] = sp
+                out.append(b)
+        dp = self.space.degree_arrays(a[None])["dp"][0]
+        for triple in s.factor_neighbours(int(a[TP]), int(a[EP]), int(a[PP])):
+            b = a.copy()
+            b[[TP, EP, PP]] = triple
+            shift = np.log2(dp / self.space.degree_arrays(b[None])["dp"][0])
+            for j in (-1, 0, 1):  # dp * batch about the same, x 2**j (nearest in log2)
+                bb = int(np.argmin(np.abs(log_batch - (log_batch[a[BATCH]] + shift + j))))
+                for ops in (self._ops_at(a[N_DEG:], int(b[TP])), self.megatron[int(b[TP])]):
+                    c = b.copy()
+                    c[BATCH] = bb
+                    c[N_DEG:] = ops
+                    out.append(c)
+        if not out:
+            return np.zeros((0, len(a)), dtype=np.int64)
+        out = np.array(out, dtype=np.int64)
+        tp1 = np.asarray(self.space.values["tp"])[out[:, TP]] == 1
+        if 0 in self.space.values["sp"]:  # sp = tp is sp off at tp = 1: one spelling
+            out[tp1, SP] = self.space.values["sp"].index(0)
+        if self.free_tp >= 0:  # tp = 1 rows under one name (Megatron's choices)
+            free = out[:, TP] == self.free_tp
+            out[free, N_DEG:] = self.megatron[self.free_tp]
+        return out[s.legal(out)]
+
+    def expand(self, action: np.ndarray) -> None:
+        seeds = self.neighbour_rows(action)
+        if len(seeds):
+            self.evaluate(seeds)
+
+    # ------------------------------------------------------------------ step 3
+    def next_row(self) -> tuple[float, np.ndarray] | None:
+        best = None
+        for key in sorted(self.archive.rows):
+            if key in self.polished:
+                continue
+            v, a = self.archive.rows[key]
+            if best is None or v > best[0]:
+                best = (v, a)
+        return best
+
+    def screen(self) -> None:
+        """Step 0, only when nothing feasible is known: every row (legal degree tuple x
+        batch, smallest batches first) with Megatron's op choices, in one call truncated by
+        the budget."""
+        triples = np.argwhere(self.sampler.pp_mask)
+        n_sp, n_b = int(self.sampler.nvec[SP]), int(self.sampler.nvec[BATCH])
+        deg = np.array([(t, e, p, sp) for t, e, p in triples for sp in range(n_sp)
+                        if self.space.values["tp"][t] > 1 or self.space.values["sp"][sp] == 0
+                        or n_sp == 1], dtype=np.int64).reshape(-1, 4)  # sp at tp 1: one spelling
+        order = np.argsort(self.space.values["batch"], kind="stable")
+        acts = np.zeros((len(deg) * n_b, self.sampler.n_comp), dtype=np.int64)
+        acts[:, [TP, EP, PP, SP]] = np.tile(deg, (n_b, 1))
+        acts[:, BATCH] = np.repeat(order, len(deg))
+        acts[:, N_DEG:] = np.array(self.megatron)[acts[:, TP]]
+        self.evaluate(acts[self.sampler.legal(acts)])
+
+    def run(self) -> None:
+        """Polish and expand rows, best first, until the budget is spent (BudgetExhausted
+        propagates) or no unpolished row is left."""
+        if not self.archive.rows:
+            self.screen()
+        while self.budget.remaining > 0:
+            nxt = self.next_row()
+            if nxt is None:
+                return
+            value, action = nxt
+            self.polished.update(self.archive.row_keys(action))
+            best, _ = self.polish(action, value)
+            self.polished.update(self.archive.row_keys(best))
+            self.expand(best)
