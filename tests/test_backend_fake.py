@@ -262,7 +262,7 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
 
     graph = load_graph(mod.__file__)
     expected = {r["fqn"]: r for r in param_plan(graph, strategy, kinds)}
-    sharded = apply(model, strategy)
+    sharded = apply(model, strategy, params=list(expected.values()))
     adapter = adapter_for(model)
 
     # every parameter of this rank's stage is a DTensor with the planned local shape
@@ -310,7 +310,7 @@ def _rows_by_kind(model, graph, strategy, kinds: dict[int, str]) -> dict[str, di
         pl = use_placements(use, p.ndim, strategy, kinds)
         stage = stages[layer] if layer is not None else 0 if name in before else pp - 1
         rows[name] = {"fqn": name, "placements": pl, "stage": stage,
-                      "local_shape": local_shape(list(p.shape), pl, strategy.degrees)}
+                      "local_shape": local_shape(list(p.shape), pl, strategy.degrees), **use}
     return rows
 
 
@@ -366,7 +366,7 @@ def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
     assert {k.name: sorted(o.name for o in k.ops) for k in graph.layer_kinds} == \
         {k: sorted(v) for k, v in ops.items()}  # the IR's slots are the backend's
     expected = _rows_by_kind(model, graph, strategy, kinds)
-    apply(model, strategy)
+    apply(model, strategy, params=list(expected.values()))
 
     assert check_placed_params(model, expected) > 100
     qb = expected["model.layers.3.self_attn.q_b_proj.weight"]

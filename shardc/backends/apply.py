@@ -4,7 +4,7 @@ and ``Plan.apply``.
 The readable sequence the emitted ``parallelize.py`` spells out (see
 :mod:`shardc.backends.dtensor`) is::
 
-    sharder = ModelSharder(model, STRATEGY, world_mesh, LAYER_KINDS)
+    sharder = ModelSharder(model, STRATEGY, world_mesh, LAYER_KINDS, PARAMS)
     sharder.embedding()
     for i in sharder.layers_of("dense_block"):
         sharder.attention(i)
@@ -14,7 +14,10 @@ The readable sequence the emitted ``parallelize.py`` spells out (see
 
 ``finish`` installs the batch split over dp/ep at the model's input and the gather at its
 output (so the returned model maps the same global batch to the same global logits), and
-with pp > 1 wraps the stages in a ``torch.distributed.pipelining`` schedule.
+with pp > 1 wraps the stages in a ``torch.distributed.pipelining`` schedule. ``PARAMS`` is
+plan.json's ``params`` rows: the fused op, sharded dims and stage of every parameter, from
+the IR (:mod:`shardc.ir.param_roles`); without a plan they are derived from the model's
+traced graph as ``build_plan`` does (:func:`params_from_module`).
 """
 
 from __future__ import annotations
@@ -52,15 +55,31 @@ def make_mesh(strategy: Strategy, device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
+def params_from_module(model: nn.Module, strategy: Strategy,
+                       kind_of_layer: dict[int, str], seq: int = 8) -> list[dict]:
+    """plan.json ``params`` rows for ``model`` under ``strategy`` as ``build_plan`` writes
+    them: the model traced on one sequence of ``seq`` tokens, the graph's parameter roles
+    (:func:`shardc.backends.layout.param_plan`). Tracing costs seconds: pass the rows of a
+    plan (or of a graph already traced) when there is one."""
+    from shardc.backends.layout import param_plan
+    from shardc.frontends import graph_from_module
+
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    graph = graph_from_module(model, (ids,), name=type(model).__name__)
+    return param_plan(graph, strategy, kind_of_layer)
+
+
 class ModelSharder:
     """Shards ``model`` per ``strategy``; see the module docstring for the call sequence.
 
     ``layer_kinds`` maps kind name -> decoder-layer indices (plan.json ``layer_kinds``);
-    None infers ``dense_block`` / ``moe_block`` from the model.
+    None infers ``dense_block`` / ``moe_block`` from the model. ``params``: plan.json's
+    ``params`` rows (None: :func:`params_from_module`).
     """
 
     def __init__(self, model: nn.Module, strategy: Strategy, world_mesh: DeviceMesh | None = None,
-                 layer_kinds: dict[str, list[int]] | None = None):
+                 layer_kinds: dict[str, list[int]] | None = None,
+                 params: list[dict] | None = None):
         self.model = model
         self.strategy = strategy
         self.adapter = adapter_for(model)
@@ -70,7 +89,9 @@ class ModelSharder:
             kind_of_layer = {i: k for k, ls in layer_kinds.items() for i in ls}
         self.kind_of_layer = kind_of_layer
         self.world_mesh = world_mesh if world_mesh is not None else make_mesh(strategy)
-        self.rt = ShardingRuntime(model, strategy, self.world_mesh, kind_of_layer)
+        if params is None:
+            params = params_from_module(model, strategy, kind_of_layer)
+        self.rt = ShardingRuntime(model, strategy, self.world_mesh, kind_of_layer, params)
         deg = strategy.degrees
         self.stage_of_layer = pipeline_stages(self.adapter.num_layers, deg.pp)
         self.stage = self.world_mesh.get_local_rank("pp") if deg.pp > 1 else 0
@@ -136,8 +157,10 @@ class ModelSharder:
         if att.mla:
             shard_mla(rt, att, layer)
             return
+        kv_mods = att.qkv[1:] if att.fused == 1 else []  # separate k, v after q
         for mod, pre in att.qkv + [att.out] + att.qk_norms:
-            rt.place_module_params(mod, pre, att.kv_heads)
+            rt.place_module_params(mod, pre, att.kv_heads if any(mod is m for m, _ in kv_mods)
+                                   else 0)
         if repeat > 1 and steps[0][1] != "S(1)":  # qkv not column split: repeat activations
             for mod, _ in att.qkv[1:]:
                 rt.kv_expand[id(mod)] = (att.kv_heads, repeat)
@@ -175,24 +198,20 @@ class ModelSharder:
         return self.model
 
     def _param_on_stage(self, fqn: str) -> bool:
-        from shardc.backends.layout import layer_of, param_role
-
-        layer = layer_of(fqn)
-        if layer is not None:
-            return self.on_stage(layer)
-        role = param_role(fqn)
-        first = {f"{pre}.{n}" for mod, pre in getattr(self.adapter, "position_embeddings", [])
-                 for n, _ in mod.named_parameters()}
-        return self.on_stage(None, "first" if role is not None and role.op == "embedding"
-                             or fqn in first else "last")
+        """Whether this rank's stage holds ``fqn`` (its params row's ``stage``; a parameter
+        the plan does not know is reported as unplaced)."""
+        row = self.rt.rows.get(fqn)
+        return row is None or int(row["stage"]) == self.stage
 
 
 def apply(model: nn.Module, strategy: Strategy, device_mesh: DeviceMesh | None = None,
-          layer_kinds: dict[str, list[int]] | None = None) -> nn.Module:
+          layer_kinds: dict[str, list[int]] | None = None,
+          params: list[dict] | None = None) -> nn.Module:
     """Shard ``model`` in place per ``strategy`` on ``device_mesh`` (created from the
     strategy's logical mesh when None); returns the model to call (a pipeline wrapper when
-    pp > 1, whose forward returns logits on the last stage and None elsewhere)."""
-    sh = ModelSharder(model, strategy, device_mesh, layer_kinds)
+    pp > 1, whose forward returns logits on the last stage and None elsewhere). ``params``:
+    plan.json's ``params`` rows (None: derived from the model, :func:`params_from_module`)."""
+    sh = ModelSharder(model, strategy, device_mesh, layer_kinds, params)
     sh.embedding()
     for kind in sorted(set(sh.kind_of_layer.values())):
         for i in sh.layers_of(kind):

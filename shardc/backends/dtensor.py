@@ -52,6 +52,9 @@ DEGREES = {degrees_code}
 BATCH = {batch_code}
 LAYER_KINDS = {layer_kinds_code}
 CHOICES = {choices_code}
+# per parameter: its fused op, decoder layer, the tensor dim each choice cuts, its expert dim
+# and packed parts, and its pipeline stage (plan.json params, from the IR)
+PARAMS = {params_code}
 
 
 def parallelize(model, world_mesh=None):
@@ -60,7 +63,7 @@ def parallelize(model, world_mesh=None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         world_mesh = init_device_mesh(device, MESH_SHAPE, mesh_dim_names=MESH_DIM_NAMES)
     strategy = strategy_from_names(DEGREES, CHOICES, BATCH)
-    sharder = ModelSharder(model, strategy, world_mesh, LAYER_KINDS)
+    sharder = ModelSharder(model, strategy, world_mesh, LAYER_KINDS, PARAMS)
 '''
 
 # (plan.json predicted key, how it reads); a missing or non-numeric value is left out
@@ -177,7 +180,7 @@ def emit_parallelize(plan, standalone: bool = False) -> str:
     code = {
         "shape_code": shape, "names_code": dim_names, "degrees_code": deg.as_dict(),
         "batch_code": int(st.batch), "layer_kinds_code": _ranges(kinds),
-        "choices_code": choices,
+        "choices_code": choices, "params_code": _runtime_rows(plan.params),
     }
     header = _HEADER.format(**doc_fields(plan), standalone_note="",
                             **{k: _literal(v) for k, v in code.items()})
@@ -213,6 +216,17 @@ def emit_parallelize(plan, standalone: bool = False) -> str:
                  "    sharder.lm_head()", ""]
     body.append("    return sharder.finish()")
     return header + "\n".join(body) + "\n"
+
+
+_ROW_FIELDS = ("fqn", "stage", "op", "layer", "split_dims", "expert_dim", "parts", "tied")
+
+
+def _runtime_rows(params: list[dict]) -> list[dict]:
+    """The fields of plan.json's params rows the runtime reads (:data:`_ROW_FIELDS`; a plan
+    of schema 1 gets the IR fields from :func:`shardc.backends.layout.rows_with_ops`)."""
+    from shardc.backends.layout import rows_with_ops
+
+    return [{k: r[k] for k in _ROW_FIELDS if k in r} for r in rows_with_ops(params)]
 
 
 def _ranges(kinds: dict[str, list[int]]) -> dict:

@@ -8,10 +8,10 @@ depends on how the model stores it (``nn.Linear`` keeps ``[out, in]``, GPT-2's C
 MLA ``qkv`` shards only its up projections). plan.json's ``params`` rows (:func:`param_plan`)
 take it from the graph (:mod:`shardc.ir.param_roles`: the fused op reading the parameter and
 the dims as it reads them), and the torch-style runtime reads those rows.
-:data:`PARAM_ROLES`, keyed by parameter-name patterns, is the older table: the first runtime
-(:mod:`shardc.backends.runtime`, which has no graph at run time) places parameters with it,
-and rows of a plan written before the IR fields existed get them from it
-(:func:`rows_with_ops`).
+Both runtimes read those rows (the first one, :mod:`shardc.backends.runtime`, through
+:func:`rows_by_fqn`). :data:`PARAM_ROLES`, keyed by parameter-name patterns, is the older
+table, used in one place only: rows of a plan written before the IR fields existed get them
+from it (:func:`rows_with_ops`).
 
 Placements here are per *SPMD* mesh dim: the logical mesh without ``pp`` (pipeline stages
 hold whole parameters; the stage split is :func:`shardc.ir.strategy.pipeline_stages`).
@@ -76,14 +76,8 @@ PARAM_ROLES: list[tuple[re.Pattern, ParamRole]] = [
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # GPT-2: transformer.h.<i>
 
 
-def param_role(fqn: str) -> ParamRole | None:
-    for pat, role in PARAM_ROLES:
-        if pat.search(fqn):
-            return role
-    return None
-
-
 def layer_of(fqn: str) -> int | None:
+    """Decoder-layer index in a parameter name (:func:`rows_with_ops`' fallback only)."""
     m = _LAYER_RE.search(fqn)
     return int(m.group(1)) if m else None
 
@@ -100,38 +94,6 @@ def choice_key(op: str, layer_kind: str | None) -> str:
 def op_choice(strategy: Strategy, op: str, layer_kind: str | None) -> int:
     """Choice index of ``op`` in ``layer_kind`` (2 = replicate when the strategy has none)."""
     return int(strategy.choices.get(choice_key(op, layer_kind), 2))
-
-
-def param_placements(fqn: str, ndim: int, strategy: Strategy,
-                     kind_of_layer: dict[int, str]) -> list[str]:
-    """Placements (``"S(d)"`` / ``"R"``) of parameter ``fqn`` per SPMD mesh dim."""
-    role = param_role(fqn)
-    layer = layer_of(fqn)
-    kind = kind_of_layer.get(layer) if layer is not None else None
-    out = []
-    for dim in spmd_dims(strategy.degrees):
-        p = "R"
-        if role is not None and dim == "ep" and role.expert_dim is not None:
-            p = f"S({role.expert_dim})"
-        elif role is not None and dim == "tp":
-            c = op_choice(strategy, role.op, kind)
-            if c in (0, 1) and role.dims[c] < ndim:
-                p = f"S({role.dims[c]})"
-        out.append(p)
-    if role is not None and role.op == "qkv" and fqn.endswith("bias") and "S(1)" in out:
-        out = ["R" for _ in out]  # a bias has no input dim: row-parallel keeps it whole
-    return out
-
-
-_KV_PROJ = re.compile(r"self_attn\.[kv]_proj\.(weight|bias)$")
-
-
-def kv_head_repeat(fqn: str, strategy: Strategy, kind_of_layer: dict[int, str],
-                   kv_heads: int) -> int:
-    """:func:`kv_repeat` of the parameter ``fqn`` told by its name (the first runtime, which
-    has no graph: ``self_attn.k_proj`` / ``v_proj``)."""
-    return kv_repeat(bool(_KV_PROJ.search(fqn)), layer_of(fqn), strategy, kind_of_layer,
-                     kv_heads)
 
 
 def kv_repeat(is_kv: bool, layer: int | None, strategy: Strategy,
@@ -190,7 +152,7 @@ def rows_with_ops(rows: list[dict]) -> list[dict]:
         if "op" in r:
             out.append(r)
             continue
-        role = param_role(str(r["fqn"]))
+        role = next((role for pat, role in PARAM_ROLES if pat.search(str(r["fqn"]))), None)
         shape = list(r["shape"])
         extra: dict = {"op": None, "layer": layer_of(str(r["fqn"])),
                        "split_dims": [None, None]}
@@ -204,6 +166,23 @@ def rows_with_ops(rows: list[dict]) -> list[dict]:
                 width = shape[0 if bias else role.dims[0]]
                 extra["parts"] = [width // role.fused] * role.fused
         out.append({**r, **extra})
+    return out
+
+
+def rows_by_fqn(rows: list[dict], last_stage: int) -> dict[str, dict]:
+    """FQN -> params row (:func:`rows_with_ops`), with a row for each module that reads a
+    tied weight through its own parameter (``tied``: GPT-2's ``lm_head.weight`` reading
+    ``transformer.wte.weight``): the reading op's, the same ``split_dims`` (a tied table is
+    cut along vocab / hidden alike), on ``last_stage`` (the only tied reader the IR records
+    reads the table after the layers)."""
+    out: dict[str, dict] = {}
+    for r in rows_with_ops(rows):
+        out.setdefault(str(r["fqn"]), r)
+        leaf = str(r["fqn"]).rsplit(".", 1)[-1]
+        for t in r.get("tied", []):
+            alias = f"{t['module']}.{leaf}" if t["module"] else leaf
+            out.setdefault(alias, {**r, "fqn": alias, "op": str(t["op"]), "tied": [],
+                                   "stage": last_stage})
     return out
 
 

@@ -19,8 +19,11 @@ Activation conventions (plan.json speaks of [tokens, features]):
 
 Parameters are cut from the full tensor each rank already holds (built from the same seed
 or loaded from the same checkpoint): no broadcast is issued, so meta-device models on the
-``fake`` process group can be placed too. Packed outputs (GPT-MoE's ``q|k|v``, Mixtral's
-``gate|up``) are interleaved per tp rank first, so a column split keeps matching parts.
+``fake`` process group can be placed too. Which fused op reads a parameter, which tensor dim
+each choice cuts, its expert dim, its packed parts and its pipeline stage come from plan.json's
+``params`` rows (the IR's: :mod:`shardc.ir.param_roles`), never from the parameter's name.
+Packed outputs (GPT-MoE's ``q|k|v``, Mixtral's ``gate|up``) are interleaved per tp rank
+first, so a column split keeps matching parts.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from shardc.backends.layout import kv_head_repeat, param_placements, param_role, spmd_dims
+from shardc.backends.layout import kv_repeat, rows_by_fqn, spmd_dims, use_placements
 from shardc.ir.contract import BRANCHES, walk
 from shardc.ir.strategy import Strategy, residual_placement
 
@@ -61,12 +64,14 @@ class ShardingRuntime:
     """Applies one strategy to one model (or one pipeline stage of it) on ``world_mesh``.
 
     ``kind_of_layer`` maps decoder-layer index -> layer-kind name (the keys of
-    ``strategy.choices`` are ``"<kind>.<op>"``).
+    ``strategy.choices`` are ``"<kind>.<op>"``); ``params`` is plan.json's ``params`` rows
+    (a plan of schema 1 without the IR fields too: :func:`shardc.backends.layout.rows_by_fqn`).
     """
 
     def __init__(self, model: nn.Module, strategy: Strategy, world_mesh: DeviceMesh | None,
-                 kind_of_layer: dict[int, str]):
+                 kind_of_layer: dict[int, str], params: list[dict]):
         self.model, self.strategy, self.kind_of_layer = model, strategy, kind_of_layer
+        self.rows = rows_by_fqn(params, strategy.degrees.pp - 1)
         self.degrees = strategy.degrees
         self.dims = spmd_dims(self.degrees)
         self.tp = self.degrees.tp
@@ -120,18 +125,25 @@ class ShardingRuntime:
 
     # ------------------------------------------------------------------ parameters
     def place_param(self, module: nn.Module, name: str, fqn: str, kv_heads: int = 0) -> None:
-        """Replace ``module.<name>`` by a DTensor parameter with the plan's placements
-        (``kv_heads``: the attention's KV heads, for k / v projections whose heads are
-        repeated before the tp split, :func:`shardc.backends.layout.kv_head_repeat`)."""
+        """Replace ``module.<name>`` by a DTensor parameter with the placements of its plan
+        row (``kv_heads``: the attention's KV heads when ``module`` is its k or v projection,
+        whose heads may be repeated before the tp split, :func:`shardc.backends.layout.kv_repeat`)."""
+        row = self.rows.get(fqn)
+        if row is None:
+            raise ValueError(f"parameter {fqn} has no row in the plan's params (a plan for "
+                             "another model?)")
         p = getattr(module, name)
         full = p.detach()
-        role = param_role(fqn)
-        if role is not None and role.fused > 1 and self.tp > 1:
-            full = interleave(full, role.dims[0], role.fused, self.tp)
-        repeat = kv_head_repeat(fqn, self.strategy, self.kind_of_layer, kv_heads)
+        parts = row.get("parts") or []
+        if len(parts) > 1 and self.tp > 1:
+            if len(set(parts)) > 1:
+                raise ValueError(f"{fqn}: packed parts {parts} of unequal widths")
+            full = interleave(full, row["split_dims"][0], len(parts), self.tp)
+        repeat = kv_repeat(kv_heads > 0, row.get("layer"), self.strategy, self.kind_of_layer,
+                           kv_heads)
         if repeat > 1:
             full = repeat_heads(full, 0, kv_heads, repeat)
-        spelled = param_placements(fqn, full.ndim, self.strategy, self.kind_of_layer)
+        spelled = use_placements(row, full.ndim, self.strategy, self.kind_of_layer)
         self.placed[fqn] = spelled
         if self.mesh is None:
             return

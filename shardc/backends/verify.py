@@ -49,6 +49,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
     import torch.distributed as dist
 
     from shardc.backends.apply import apply
+    from shardc.frontends import graph_from_module
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -64,6 +65,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
             with torch.no_grad():
                 ref = _logits(model(ids))
             ref_padded: dict[str, torch.Tensor] = {}  # side -> unsharded padded logits
+            graph = []  # the model traced once, for the params rows of cases without code
             build_s = time.perf_counter() - t0
             for c in cases:
                 case = Case(**c)
@@ -74,7 +76,10 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                     if case.code or case.code_text:
                         sharded = _load_code(case.code, case.code_text).parallelize(fresh)
                     else:
-                        sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds)
+                        if not graph:
+                            graph.append(graph_from_module(model, (ids,), name="verify"))
+                        sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds,
+                                        params=_params_rows(graph[0], case, model))
                     if case.corrupt and rank == 0:
                         _perturb(sharded)
                     expect = ref
@@ -111,6 +116,16 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, allow_nan=False)
         dist.destroy_process_group()
+
+
+def _params_rows(graph, case: Case, model) -> list[dict]:
+    """plan.json params rows of ``case`` on the traced ``graph`` (as ``build_plan`` writes)."""
+    from shardc.backends.layout import param_plan
+    from shardc.backends.models import default_layer_kinds
+
+    kinds = {i: k for k, ls in case.layer_kinds.items() for i in ls} \
+        if case.layer_kinds is not None else default_layer_kinds(model)
+    return param_plan(graph, case.strategy(), kinds)
 
 
 def _load_code(path: str | None, text: str | None = None):
@@ -236,7 +251,7 @@ def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None =
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers",
             "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
             "shardc.frontends.model_file", "shardc.backends.apply", "shardc.backends.verify",
-            "shardc.testing.launch"]
+            "shardc.frontends.torch_export", "shardc.passes", "shardc.testing.launch"]
 
 
 def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | None = None,
