@@ -52,6 +52,7 @@ from shardc.search.legal import BATCH, EP, N_DEG, PP, SP, TP, LegalSampler
 from shardc.search.objective import Budget
 
 OP_OF_BRANCH = {op: branch for branch, ops in BRANCHES.items() for op in ops}
+SCREEN_CHUNK = 128  # rows per screening call
 
 
 def branch_groups(space) -> list[np.ndarray]:
@@ -241,19 +242,40 @@ class RowPolisher:
 
     def screen(self) -> None:
         """Step 0, only when nothing feasible is known: every row (legal degree tuple x
-        batch, smallest batches first) with Megatron's op choices, in one call truncated by
-        the budget."""
+        batch) with Megatron's op choices, :data:`SCREEN_CHUNK` rows per call, until a chunk
+        holds a feasible row (the polishing then starts from it). Rows whose
+        batch splits evenly over the work units of the step (decode: pp micro-batches x ep
+        attention groups; prefill: ep groups -- a row that does not split is infeasible) come
+        first, ordered by their rank among their degree tuple's splittable batches and then
+        by batch: first every tuple's smallest splittable batch, then each tuple's second,
+        ... (in serving, a row can also be too small for its SLOs, so feasibility is not
+        monotone in the batch)."""
         triples = np.argwhere(self.sampler.pp_mask)
         n_sp, n_b = int(self.sampler.nvec[SP]), int(self.sampler.nvec[BATCH])
         deg = np.array([(t, e, p, sp) for t, e, p in triples for sp in range(n_sp)
                         if self.space.values["tp"][t] > 1 or self.space.values["sp"][sp] == 0
                         or n_sp == 1], dtype=np.int64).reshape(-1, 4)  # sp at tp 1: one spelling
-        order = np.argsort(self.space.values["batch"], kind="stable")
         acts = np.zeros((len(deg) * n_b, self.sampler.n_comp), dtype=np.int64)
-        acts[:, [TP, EP, PP, SP]] = np.tile(deg, (n_b, 1))
-        acts[:, BATCH] = np.repeat(order, len(deg))
+        acts[:, [TP, EP, PP, SP]] = np.repeat(deg, n_b, axis=0)
+        acts[:, BATCH] = np.tile(np.arange(n_b), len(deg))
         acts[:, N_DEG:] = np.array(self.megatron)[acts[:, TP]]
-        self.evaluate(acts[self.sampler.legal(acts)])
+        acts = acts[self.sampler.legal(acts)]
+        d = self.space.degree_arrays(acts)
+        units = d["ep"] * (d["pp"] if self.space.workload.phase == "decode" else 1)
+        splits = d["batch"] % units == 0
+        # rank of each row among its degree tuple's splittable batches (rows are grouped by
+        # tuple, batch ascending within a group)
+        tuple_id = np.unique(acts[:, [TP, EP, PP, SP]], axis=0, return_inverse=True)[1].ravel()
+        rank = np.zeros(len(acts), dtype=np.int64)
+        for t in np.unique(tuple_id):
+            rows = np.flatnonzero((tuple_id == t) & splits)
+            rows = rows[np.argsort(d["batch"][rows], kind="stable")]
+            rank[rows] = np.arange(len(rows))
+        order = np.lexsort((d["batch"], rank, ~splits))
+        for start in range(0, len(order), SCREEN_CHUNK):  # stop at the first feasible rows
+            values = self.evaluate(acts[order[start:start + SCREEN_CHUNK]])
+            if np.isfinite(values).any() or self.budget.remaining <= 0:
+                return
 
     def run(self) -> None:
         """Polish and expand rows, best first, until the budget is spent (BudgetExhausted

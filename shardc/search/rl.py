@@ -107,7 +107,7 @@ class RLConfig:
     batch_follow: float = 1.0  # decode: fraction of dp-changing neighbours whose batch follows
     factor_mix: float = 0.1  # fraction of the neighbours that are factor moves of the degrees
     tp1_canonical: bool = True  # elite rows at tp = 1 keep Megatron's (equivalent) op choices
-    polish_frac: float = 0.25  # budget fraction left to the row polisher (shardc.search.polish)
+    polish_frac: float = 0.4  # budget fraction left to the row polisher (shardc.search.polish)
     polish_sweeps: int = 3  # branch best-response rounds per polished row
 
 
