@@ -3,17 +3,13 @@ choice of the decode search, priced by the cost model and run by the backend (is
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
-from collective_record import CollectiveRecorder, group_names
 from cost_graphs import fixture_graph
 from test_backend_fake import assert_records_match
 from test_runtime_styles import CASES
-from test_runtime_styles_bytes import BATCH, exempt_extras
+from test_runtime_styles_bytes import BATCH, exempt_extras, run_standalone_file
 
 from shardc.cli import main
 from shardc.cost import CostModel
@@ -81,11 +77,8 @@ def test_cli_decode_sp(tmp_path, capsys):
 def test_decode_sp_collectives_are_what_the_torch_style_file_issues():
     """One decode step ([batch, 1] ids) of the torch-style file under sp issues exactly the
     collectives the decode cost model charges (as tests/test_runtime_styles_bytes.py)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardc.backends.apply import strategy_from_names
-    from shardc.backends.verify import _build, _vocab
     from shardc.frontends import load_graph
     from shardc.plan import build_plan
 
@@ -95,21 +88,8 @@ def test_decode_sp_collectives_are_what_the_torch_style_file_issues():
     strategy = strategy_from_names(degrees, choices, BATCH)
     wl = Workload(phase="decode", batch=BATCH, context=512)
     plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100", wl)
-    spec = importlib.util.spec_from_loader("decode_sp_bytes", loader=None)
-    code = importlib.util.module_from_spec(spec)
-    exec(compile(plan.code(standalone=True), "<decode sp parallelize.py>", "exec"), code.__dict__)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        world = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
-                                 mesh_dim_names=tuple(code.MESH_DIM_NAMES))
-        model, ids = _build(model_file, BATCH * strategy.degrees.dp, 1)
-        model = code.parallelize(model, world_mesh=world)
-        with torch.no_grad(), CollectiveRecorder(group_names([world])) as rec:
-            model(ids)
-        vocab = _vocab(model)
-    finally:
-        dist.destroy_process_group()
-    got = list(rec.records)
+    records, vocab = run_standalone_file(plan, model_file, strategy, "decode sp")
+    got = list(records)
     for extra in exempt_extras(graph, strategy, vocab):
         got.remove(extra)
     cm = CostModel(graph, Mesh(strategy.degrees.world, 1), "h100", wl, expert_imbalance=1.0)

@@ -80,11 +80,8 @@ def exempt_extras(graph, strategy, vocab: int) -> list[tuple[str, str, int]]:
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_torch_style_collective_bytes_are_the_cost_models(name):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardc.backends.apply import strategy_from_names
-    from shardc.backends.verify import _build, _vocab
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Mesh, Workload
     from shardc.plan import build_plan
@@ -94,11 +91,27 @@ def test_torch_style_collective_bytes_are_the_cost_models(name):
     strategy = strategy_from_names(degrees, choices, BATCH)
     plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
                       Workload(batch=BATCH, context=512))
-    path_src = plan.code(standalone=True)
-    spec = importlib.util.spec_from_loader(f"bytes_{abs(hash(name))}", loader=None)
-    code = importlib.util.module_from_spec(spec)
-    exec(compile(path_src, f"<{name} parallelize.py>", "exec"), code.__dict__)
+    records, vocab = run_standalone_file(plan, model_file, strategy, name)
+    got = list(records)
+    for extra in exempt_extras(graph, strategy, vocab):
+        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
+        got.remove(extra)
+    assert got, name
+    assert_records_match(got, charged(graph, strategy), name)
 
+
+def run_standalone_file(plan, model_file, strategy, label: str):
+    """Run the plan's ``--standalone`` parallelize.py as rank 0 of a 4-rank fake process
+    group on the tiny model: one forward of [batch, 1] ids. Returns (the collectives it
+    issued, as CollectiveRecorder records, and the model's vocab size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build, _vocab
+
+    spec = importlib.util.spec_from_loader(f"bytes_{abs(hash(label))}", loader=None)
+    code = importlib.util.module_from_spec(spec)
+    exec(compile(plan.code(standalone=True), f"<{label} parallelize.py>", "exec"), code.__dict__)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         world = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
@@ -113,9 +126,4 @@ def test_torch_style_collective_bytes_are_the_cost_models(name):
         vocab = _vocab(model)
     finally:
         dist.destroy_process_group()
-    got = list(rec.records)
-    for extra in exempt_extras(graph, strategy, vocab):
-        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
-        got.remove(extra)
-    assert got, name
-    assert_records_match(got, charged(graph, strategy), name)
+    return list(rec.records), vocab
