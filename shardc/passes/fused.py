@@ -106,7 +106,7 @@ class _Flow:
         reports matmuls (linear, grouped) but does not continue through them."""
         flow = self.dataflow
         return flow.downstream(start.name, stop=lambda n: flow.op(n) in _MATMULS,
-                               within=flow.same_layer(start.name))
+                               same_layer=True)
 
 
 def _out_features(n: Node) -> int:
