@@ -214,7 +214,7 @@ def test_logits_match_unsharded(gloo_results, name):
         assert r["error"] is None and r["rel_err"] > 10 * TOL, r
         return
     if "(refused)" in name:
-        assert "runs whole sequences: it takes no use_cache" in r["error"]
+        assert "runs whole sequences: it takes no" in r["error"] and "use_cache" in r["error"]
         return
     assert r["error"] is None, r["error"]
     assert r["rel_err"] <= TOL, r

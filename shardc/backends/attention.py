@@ -32,6 +32,12 @@ def _model_function(module, name: str):
     return fn
 
 
+def kv_cache_arg(cache, past_key_values):
+    """The KV cache a transformers attention module was called with: the ``cache`` keyword
+    from transformers 5.24, ``past_key_values`` before (either may be absent)."""
+    return cache if cache is not None else past_key_values
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
            cache=None, layer_idx: int | None = None, rt=None, window: int | None = None,
            softcap: float | None = None) -> torch.Tensor:
@@ -108,7 +114,7 @@ def install_attention(site: AttentionSite, family: str, rt=None) -> None:
             return qk_norm(norms[name], t, rt) if name in norms else t
 
         def forward(hidden_states, position_embeddings=None, attention_mask=None,
-                    past_key_values=None, **kwargs):
+                    past_key_values=None, cache=None, **kwargs):
             q, k, v = (proj(hidden_states) for proj, _ in site.qkv)
             b, s = q.shape[0], q.shape[1]
             if not per_head:  # norms over the whole projection (OLMoE)
@@ -119,17 +125,20 @@ def install_attention(site: AttentionSite, family: str, rt=None) -> None:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             cos, sin = position_embeddings
             q, k = rotary(q, k, cos, sin)
-            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt, window, softcap)
+            kv = kv_cache_arg(cache, past_key_values)
+            y = attend(q, k, v, mod.scaling, kv, mod.layer_idx, rt, window, softcap)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
 
     elif family == "gpt2":
         hd = int(mod.head_dim)
 
-        def forward(hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+        def forward(hidden_states, past_key_values=None, attention_mask=None, cache=None,
+                    **kwargs):
             qkv = site.qkv[0][0](hidden_states)  # q|k|v (this rank's heads of each)
             b, s = qkv.shape[0], qkv.shape[1]
             q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, 3, -1, hd).unbind(dim=2))
-            y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)
+            kv = kv_cache_arg(cache, past_key_values)
+            y = attend(q, k, v, mod.scaling, kv, mod.layer_idx, rt)
             return site.out[0](y.transpose(1, 2).reshape(b, s, -1)), None
 
     elif family == "gpt_moe":

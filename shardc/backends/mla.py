@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from shardc.backends.attention import attend
+from shardc.backends.attention import attend, kv_cache_arg
 from shardc.backends.models import AttentionSite
 from shardc.backends.runtime import ShardingRuntime
 
@@ -76,7 +76,7 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
     o_proj = site.out[0]
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs):
+                past_key_values=None, cache=None, **kwargs):
         q = project_q(hidden_states)  # [b, s, local heads * (nope + rope)]
         b, s = q.shape[0], q.shape[1]
         q = q.reshape(b, s, -1, nope + rope).transpose(1, 2)
@@ -96,7 +96,8 @@ def shard_mla(rt: ShardingRuntime, site: AttentionSite, layer: int) -> None:
             q_rot, k_rot = rotary(q_rot, k_rot, *position_embeddings)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
-        y = attend(q, k, v, mod.scaling, past_key_values, mod.layer_idx, rt)
+        kv = kv_cache_arg(cache, past_key_values)
+        y = attend(q, k, v, mod.scaling, kv, mod.layer_idx, rt)
         return o_proj(y.transpose(1, 2).reshape(b, s, -1)), None
 
     mod.forward = forward

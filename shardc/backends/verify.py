@@ -11,6 +11,7 @@ all-zero reference) are an error of the case, never a small error (:func:`compar
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -220,17 +221,32 @@ def padding_mask(ids: torch.Tensor, side: str = "right") -> torch.Tensor:
 
 def _cached_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor | None:
     """Logits of ``ids`` computed as a prefill of all but the last ``steps`` tokens, then
-    ``steps`` one-token forwards reusing the model's KV cache (``past_key_values``); equal to
-    one whole-sequence forward when the cache is right. None on ranks that hold no logits."""
-    out = model(ids[:, :-steps], use_cache=True)
+    ``steps`` one-token forwards reusing a KV cache; equal to one whole-sequence forward when
+    the cache is right. None on ranks that hold no logits.
+
+    Only transformers' public cache API is used: the cache is made here
+    (``DynamicCache(config=...)``), kept by this function (never read back from the model's
+    output, whose field was renamed ``past_key_values`` -> ``cache`` in 5.24) and passed
+    under the name the model's ``forward`` declares (:func:`cache_kwarg`)."""
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)  # none on a pipelined model (which refuses use_cache)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    kw = {cache_kwarg(model): cache, "use_cache": True}
+    out = model(ids[:, :-steps], **kw)
     if out is None:
         return None
-    parts, cache = [_logits(out)], out.past_key_values
+    parts = [_logits(out)]
     for t in range(ids.shape[1] - steps, ids.shape[1]):
-        out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-        parts.append(_logits(out))
-        cache = out.past_key_values
+        parts.append(_logits(model(ids[:, t:t + 1], **kw)))
     return torch.cat(parts, dim=1)
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a transformers model's ``forward`` takes its KV cache under: ``cache``
+    from transformers 5.24, ``past_key_values`` before (read from the public signature)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _logits(out) -> torch.Tensor:
