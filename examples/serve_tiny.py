@@ -10,7 +10,8 @@
    left-padded with a padding mask (the batch is split over the plan's dp/ep ranks and
    gathered back), prefilling the prompts once and then
    decoding one token per step with the model's KV cache (each rank caches its own heads or
-   rows), and rank 0 checks them against the same generation on the unsharded model.
+   rows), and rank 0 checks them against the unsharded model's generation, which re-runs
+   the whole prefix every step (no KV cache).
 
 Exit code 0 when the sharded and unsharded generations agree token for token.
 """
@@ -18,6 +19,7 @@ Exit code 0 when the sharded and unsharded generations agree token for token.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -37,22 +39,27 @@ HERE = Path(__file__).resolve().parent
 def greedy_generate(model, prompt_ids: torch.Tensor, new_tokens: int, kv_cache: bool = True,
                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Append ``new_tokens`` argmax tokens to each (left-padded) prompt: with ``kv_cache`` a
-    prefill of the prompts then one-token steps that reuse the model's cache
-    (``past_key_values``), without it every step re-runs the whole prefix. ``attention_mask``
-    [batch, prompt] marks the real prompt tokens (1) and the padding (0)."""
-    ids, step, cache, mask = prompt_ids, prompt_ids, None, attention_mask
+    prefill of the prompts then one-token steps that reuse a KV cache made here with
+    transformers' public API (``DynamicCache``, passed under the keyword the model's
+    ``forward`` declares: ``cache`` from transformers 5.24, ``past_key_values`` before);
+    without it every step re-runs the whole prefix. ``attention_mask`` [batch, prompt] marks
+    the real prompt tokens (1) and the padding (0)."""
+    from transformers import DynamicCache
+
+    ids, step, mask, kw = prompt_ids, prompt_ids, attention_mask, {}
+    if kv_cache:
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters \
+            else "past_key_values"
+        kw = {name: DynamicCache(config=model.config), "use_cache": True}
     for _ in range(new_tokens):
         with torch.no_grad():
-            if kv_cache:
-                out = model(step, attention_mask=mask, past_key_values=cache, use_cache=True)
-            else:
-                out = model(ids, attention_mask=mask)
+            out = model(step if kv_cache else ids, attention_mask=mask, **kw)
         logits = out.logits if hasattr(out, "logits") else out
         next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
-        step, cache = (next_id, out.past_key_values) if kv_cache else (ids, None)
+        step = next_id if kv_cache else ids
     return ids[:, prompt_ids.shape[1]:]
 
 
@@ -78,7 +85,8 @@ def _worker(rank: int, world: int, port: int, model_file: str, plan_path: str, b
         hf = hasattr(reference, "config")
         kv_cache = hf and plan.degrees.get("pp", 1) == 1
         mask = mask if hf else None
-        expected = greedy_generate(reference, prompts, tokens, kv_cache, mask)
+        # the reference re-runs the whole prefix every step: no cache to share a bug with
+        expected = greedy_generate(reference, prompts, tokens, False, mask)
         sharded = plan.apply(model)
         got = greedy_generate(sharded, prompts, tokens, kv_cache, mask)
         if rank == 0:
