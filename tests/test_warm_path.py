@@ -43,13 +43,13 @@ def golden_outputs() -> dict[str, str]:
     """The decision of plan.json (as ``shardc compile`` writes it) and the normalised graph.txt
     of a Megatron compile of tiny_llama on 4x1, and of tiny_mixtral planned with
     :func:`_fixed_strategy` on 8x1. Uses only interfaces the code before the change had."""
+    from plan_decision import decision_graph_txt, plan_decision
+
     import shardc.api as api
     from shardc.commands.reports import workload_note
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Workload
     from shardc.plan import build_plan
-
-    from plan_decision import decision_graph_txt, plan_decision
 
     def texts(tag, plan):
         d = plan.to_dict()
