@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LOCK := constraints.txt
 LATEST ?= .venv-latest
-LATEST_TESTS := tests/test_physics_gqa_kv_replication.py tests/test_support_matrix.py \
+LATEST_TESTS := tests/test_backend_gloo.py tests/test_physics_gqa_kv_replication.py tests/test_support_matrix.py \
 	tests/test_compile.py tests/test_onnx.py tests/test_serving_plan.py tests/test_readme_output.py
 
 .PHONY: setup demo test test-latest lock lint bench clean
