@@ -107,3 +107,60 @@ def test_upper_envelope_is_monotone_and_dominates():
     for p in pts:  # every point is matched or beaten by a front point at least as fast
         assert any(f["tok_s_per_user"] >= p["tok_s_per_user"]
                    and f["tok_s_per_gpu"] >= p["tok_s_per_gpu"] for f in front)
+
+
+def _non_default(f):
+    """A valid value of Workload field ``f`` other than its default."""
+    from dataclasses import MISSING
+
+    from shardc.ir.strategy import QUANT_FORMATS, SERVE_MODES
+
+    d = f.default if f.default is not MISSING else None
+    if f.name in ("weights", "kv_cache"):
+        return next(v for v in QUANT_FORMATS if v != d)
+    if f.name == "mode":
+        return next(v for v in SERVE_MODES if v != d)
+    if f.name == "phase":
+        return "serve"
+    if isinstance(d, bool):
+        return not d
+    if isinstance(d, (int, float)) or d is None:
+        return (d or 0) + 7
+    if isinstance(d, str):
+        pytest.fail(f"Workload.{f.name}: add its non-default value to this test")
+    return d
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
+@pytest.mark.parametrize("field_name", [f.name for f in
+                                        __import__("dataclasses").fields(Workload)])
+def test_every_workload_field_reaches_every_pool(field_name, role):
+    """A field the serving workload sets is the pool's (fp8 weights / KV in serve were once
+    dropped); only the fields a pool sets itself (POOL_REWRITTEN) take the pool's values."""
+    from dataclasses import fields, replace
+
+    from shardc.cost.serving import POOL_REWRITTEN
+
+    f = next(f for f in fields(Workload) if f.name == field_name)
+    wl = replace(SERVE, **{field_name: _non_default(f)})
+    pw = pool_workload(wl, role)
+    if field_name in POOL_REWRITTEN:
+        want = {"phase": "prefill" if role == "prefill" else "decode", "batch": None,
+                "context": wl.isl + wl.osl, "prompt": wl.isl}[field_name]
+        assert getattr(pw, field_name) == want
+    else:
+        assert getattr(pw, field_name) == getattr(wl, field_name) != getattr(SERVE, field_name) \
+            or field_name == "phase"
+
+
+def test_fp8_weights_halve_the_pool_weights():
+    """--weights fp8 in serve: the pool's CostModel stores 1-byte weights (the issue's case
+    gave bf16's bytes)."""
+    from dataclasses import replace
+
+    g = fixture_graph("llama3_70b")
+    for role in ("mixed", "prefill", "decode"):
+        bf = pool_cost_model(g, MESH, "h100", SERVE, role)
+        f8 = pool_cost_model(g, MESH, "h100", replace(SERVE, weights="fp8", kv_cache="fp8"), role)
+        assert f8.weight_bytes == bf.weight_bytes / 2 and f8.kv_bytes == bf.kv_bytes / 2
+        assert f8.fp8_gemm and not bf.fp8_gemm

@@ -285,3 +285,30 @@ def test_tables_match_the_raw_parquet_rows(h100):
     got, status = h100.attention("decode", np.array([64.0]), 4096.0, 8, 1, 128, False)
     assert status[0] == MEASURED
     assert got[0] == pytest.approx(row.latency.min() * 1e-3, rel=1e-9)
+
+
+def test_deepseek_fp8_experts_are_priced_from_the_fp8_block_moe_table():
+    """SGLang's tables hold DeepSeek-V3's expert shape in FP8 only as ``fp8_block``: with
+    --weights fp8 its experts are measured (from that table), not the roofline; a shape with
+    per-tensor ``fp8`` rows keeps them."""
+    k, _, reason = kernels_for(load_hardware("h200"), "silicon", "sglang")
+    assert k is not None, reason
+    assert k.moe_source("fp8", 7168, 2048, 8, 256) == "fp8_block"
+    t, status = k.moe(np.array([64.0, 4096.0]), 7168, 2048, 8, 256, np.array([8.0, 8.0]),
+                      np.array([1.0, 1.0]), fp8=True)
+    assert (status != 2).all() and np.isfinite(t).all()
+    tb, _ = k.moe(np.array([64.0, 4096.0]), 7168, 2048, 8, 256, np.array([8.0, 8.0]),
+                  np.array([1.0, 1.0]), fp8=False)
+    assert (t < tb).all()  # fp8 reads half the expert weights
+    vk, _, _ = kernels_for(load_hardware("h200"), "silicon", "vllm")
+    per_tensor = [tuple(r[:4]) for r, s in zip(vk.t["moe_fp8_keys"], vk.t["moe_fp8_source"])
+                  if s == 0]
+    assert per_tensor and vk.moe_source("fp8", *map(int, per_tensor[0])) == "fp8"
+    g, mesh = fixture_graph("deepseek_v3"), Mesh(8, 4)
+    wl = Workload(context=1280, weights="fp8", **NO_SLO)
+    space = StrategySpace(g, mesh, Workload(**{**wl.__dict__, "batch": 64}))
+    ch = dict(zip(space.op_slots, (int(c) for c in megatron_op_choices(space, 3))))
+    bd = CostModel(g, mesh, "h200", wl, kernels="silicon", engine="sglang").simulate(
+        Strategy(Degrees(tp=8, pp=1, dp=4), 64, ch))
+    src = {(r["layer_kind"], r["op"]): r["kernel_source"] for r in bd.ops}
+    assert src[("moe_block", "expert_ffn1")].startswith("silicon")

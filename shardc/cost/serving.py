@@ -27,6 +27,8 @@ Units: seconds in the functions, ms in dicts; bytes; tokens/s.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from shardc.cost.capacity import kv_elems_per_token
@@ -36,6 +38,7 @@ from shardc.ir.graph import Graph
 from shardc.ir.strategy import Mesh, Workload
 
 ROLES = ("mixed", "prefill", "decode")
+POOL_REWRITTEN = ("phase", "batch", "context", "prompt")  # Workload fields a pool sets itself
 
 
 def decode_context(wl: Workload) -> tuple[int, float]:
@@ -47,12 +50,12 @@ def pool_workload(wl: Workload, role: str) -> Workload:
     """The single-phase workload a pool's CostModel prices (``role`` in :data:`ROLES`):
     mixed and decode steps hold ``isl + osl`` tokens per sequence; prefill runs ``isl``-token
     prompts; the batch is searched (a serving ``--batch`` is a cap, applied to the space by
-    :func:`shardc.serving.capped_batches`); the SLOs are the serving SLOs."""
+    :func:`shardc.serving.capped_batches`); every other field (the SLOs, ``weights``,
+    ``kv_cache``, ``isl`` / ``osl``, ``mode`` and any field added later) is the serving
+    workload's own (:data:`POOL_REWRITTEN` names the fields a pool rewrites)."""
     held, _ = decode_context(wl)
     phase = "prefill" if role == "prefill" else "decode"
-    return Workload(phase=phase, batch=None, context=held,
-                    prompt=wl.isl, tpot_slo_ms=wl.tpot_slo_ms, ttft_slo_ms=wl.ttft_slo_ms,
-                    isl=wl.isl, osl=wl.osl)
+    return replace(wl, phase=phase, batch=None, context=held, prompt=wl.isl)
 
 
 def pool_cost_model(graph: Graph, mesh: Mesh, hardware: Hardware | str, wl: Workload,

@@ -263,6 +263,19 @@ class SiliconKernels:
         status = np.where(~found, ROOFLINE, np.where(inside, MEASURED, EXTRAPOLATED))
         return np.where(found, t, np.nan), status
 
+    def moe_source(self, dtype: str, hidden: int, inter: int, topk: int, experts: int) -> str:
+        """The table dtype that measured this expert configuration (``fp8`` or ``fp8_block``
+        for FP8, :data:`shardc.cost.silicon_tables.MOE_SOURCES`), "" if none did."""
+        keys = self.t.get(f"moe_{dtype}_keys")
+        src = self.t.get(f"moe_{dtype}_source")
+        if keys is None or not len(keys):
+            return ""
+        hit = np.all(np.isclose(keys[:, :4], [hidden, inter, topk, experts]), axis=1)
+        if not hit.any():
+            return ""
+        names = st.MOE_SOURCES[dtype]
+        return names[int(src[np.argmax(hit)])] if src is not None else names[0]
+
     def collective(self, code, nbytes, group, cuda_graph: bool):
         """A tp collective (:data:`shardc.cost.collectives.COLLECTIVE_KINDS` code [B]) moving
         ``nbytes`` (the NCCL message: full tensor; all-to-all: one rank's send buffer)."""
@@ -331,8 +344,11 @@ def price_expert(oc, op: str, share: float, tokens, hidden: int, inter: int, top
     fp8 = b.gemm_peak > b.hw.peak_flops(False)
     t, status = b.kernels.moe(tokens, hidden, inter, topk, experts, moe_tp, b.ep, fp8)
     floor = np.maximum(flops / b.gemm_peak, nbytes / b.hw.hbm_bytes_s)
+    src = b.kernels.moe_source("fp8" if fp8 else "bf16", hidden, inter, topk, experts) \
+        if b.detail else ""
     shape = (f"moe tokens={_fmt(tokens)} hidden={hidden} inter={inter} topk={topk} "
-             f"experts={experts} moe_tp={_fmt(moe_tp)} moe_ep={_fmt(b.ep)}")
+             f"experts={experts} moe_tp={_fmt(moe_tp)} moe_ep={_fmt(b.ep)} "
+             f"{src or ('fp8' if fp8 else 'bf16')}")
     why = f"{shape}: no measured {b.kernels.engine} MoE row for this expert configuration"
     return _merge(oc, t * share, status, floor, b, op, "MoE", shape, why)
 

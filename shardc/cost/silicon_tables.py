@@ -21,6 +21,9 @@ Grids (all latencies in SECONDS; sizes as the tables give them):
 * ``moe_<dtype>``: keys ``[E, 6]`` (hidden, inter, topk, experts, moe_tp, moe_ep) -> ``[E,
   num_tokens]`` (balanced routing; ``num_tokens`` = tokens entering the layer over the whole
   EP group; the latency is one rank's grouped GEMMs of both expert matrices);
+  ``moe_<dtype>_source`` ``[E]``: which table dtype measured the row (index into
+  :data:`MOE_SOURCES`: fp8 = the per-tensor ``fp8`` rows where the shape has them, else
+  ``fp8_block``);
 * ``nccl``: keys ``[C, 2]`` (op code, GPUs) -> ``[C, message bytes]``; ``car``: the engine's
   custom all-reduce, keys ``[R, 2]`` (GPUs, CUDA-graph 1/0) -> ``[R, message bytes]``.
 
@@ -49,6 +52,10 @@ SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm"}
 ENGINES = ("vllm", "sglang", "trtllm")
 NCCL_OPS = ("all_gather", "reduce_scatter", "all_reduce", "alltoall")
 _DTYPES = {"bf16": ("bfloat16",), "fp8": ("fp8",)}
+# MoE: FP8 per-tensor where measured, else FP8 with 128x128 weight blocks (DeepSeek-V3's
+# checkpoint format; the only FP8 MoE rows SGLang's tables hold)
+_MOE_DTYPES = {"bf16": ("bfloat16",), "fp8": ("fp8", "fp8_block")}
+MOE_SOURCES = {"bf16": ("bfloat16",), "fp8": _MOE_DTYPES["fp8"]}
 
 
 class TablesUnavailable(Exception):
@@ -276,19 +283,24 @@ def _build_moe(root, system, engine, out, versions):
     df = df[df.distribution == "balanced"]
     tokens = np.array(sorted(df.num_tokens.unique()), dtype=np.float64)
     out["moe_tokens"] = tokens
-    for name, dts in _DTYPES.items():
-        sub = df[df.moe_dtype.isin(dts)]
-        key_rows, curves = [], []
-        for key, s in sub.groupby(keys, sort=True):
-            (t,), lat = _grid(s, ["num_tokens"])
-            full = np.full(len(tokens), np.nan)
-            full[np.searchsorted(tokens, t)] = lat
-            if np.isnan(full[0]) or np.isnan(full[-1]):
-                continue  # measured over part of the token range only: not used
-            key_rows.append([float(x) for x in key])
-            curves.append(_monotone(_fill_along(full, tokens), 0) * 1e-3)
+    for name, dts in _MOE_DTYPES.items():
+        key_rows, curves, sources = [], [], []
+        for src, dt in enumerate(dts):  # a shape from the first dtype that measured it
+            have = {tuple(r) for r in key_rows}
+            for key, s in df[df.moe_dtype == dt].groupby(keys, sort=True):
+                if tuple(float(x) for x in key) in have:
+                    continue
+                (t,), lat = _grid(s, ["num_tokens"])
+                full = np.full(len(tokens), np.nan)
+                full[np.searchsorted(tokens, t)] = lat
+                if np.isnan(full[0]) or np.isnan(full[-1]):
+                    continue  # measured over part of the token range only: not used
+                key_rows.append([float(x) for x in key])
+                curves.append(_monotone(_fill_along(full, tokens), 0) * 1e-3)
+                sources.append(src)
         if key_rows:
             out[f"moe_{name}_keys"], out[f"moe_{name}"] = np.array(key_rows), np.stack(curves)
+            out[f"moe_{name}_source"] = np.array(sources, dtype=np.int64)
 
 
 def _build_comm(root, system, engine, out, versions):
