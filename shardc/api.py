@@ -190,7 +190,8 @@ def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str,
                       "ops": [{"name": o["name"], "kind": o["kind"], "choice": o["choice"]}
                               for o in ops],
                       "predicted": {k: pred[k] for k in ("tok_s_per_gpu", "tpot_ms", "ttft_ms",
-                                                         "memory_gb_per_gpu")}})
+                                                         "memory_gb_per_gpu")},
+                      **_pool_scheduling(pred, pool.cost_model, strategy, role)})
         plans[role] = (g, strategy, pool, pred)
     top_role = choice.pools[-1][0]
     g, strategy, pool, pred = plans[top_role]
@@ -221,6 +222,22 @@ def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str,
                                       predicted=pred_r if role != top_role else predicted, **common)
     out.pool_plans = pool_plans
     return pool_plans[top_role], out
+
+
+def _pool_scheduling(pred: dict, cm, strategy, role: str) -> dict:
+    """plan.json pool keys the launch scripts write: ``scheduler`` (the aggregated pool's
+    token budget, :func:`shardc.cost.explain.scheduler_entry`) where the pool has one, and
+    ``kv_reservation`` (mixed / decode: the rule and the KV tokens per running sequence)."""
+    out = {}
+    sched = (pred.get("breakdown") or {}).get("scheduler")
+    if sched:
+        out["scheduler"] = sched
+    if role != "prefill":
+        seqs = strategy.batch / strategy.degrees.ep
+        out["kv_reservation"] = {
+            "rule": cm.kv_reservation,
+            "tokens_per_sequence": round(float(cm.kv_tokens_per_sequence(seqs)), 3)}
+    return out
 
 
 def _serve_baseline(choice) -> dict | None:

@@ -158,3 +158,26 @@ def test_optimum_fraction_and_inspect_of_a_serve_plan(plans, tmp_path, capsys):
     path = plans["disagg"].save(tmp_path / "plan.json")
     assert main(["inspect", str(path)]) == 0
     assert "one decode step" in capsys.readouterr().out
+
+
+def test_serve_pools_record_the_scheduler_and_kv_reservation(plans):
+    """plan.json pools name what the launch scripts write: the aggregated pool's token
+    budget (a candidate of the scheduler or the steady-state need) and every mixed / decode
+    pool's KV reservation rule; the budget leaves room for the decode tokens and the chunk."""
+    from shardc.cost.scheduler import TOKEN_BUDGETS
+
+    agg = plans["agg"].serving["pools"][0]
+    sched = agg["scheduler"]
+    d = agg["degrees"]
+    seqs = agg["batch"] / d["pp"] / d["ep"]
+    assert sched["max_batched_tokens"] in TOKEN_BUDGETS or \
+        sched["max_batched_tokens"] >= TOKEN_BUDGETS[-1]
+    assert seqs + sched["prefill_chunk_tokens"] <= sched["max_batched_tokens"] + 1e-9
+    assert 0 < sched["mixed_step_fraction"] <= 1
+    for plan in plans.values():
+        for pool in plan.serving["pools"]:
+            if pool["role"] == "prefill":
+                assert "kv_reservation" not in pool and "scheduler" not in pool
+            else:
+                kv = pool["kv_reservation"]
+                assert kv["rule"] == "paged" and 256 < kv["tokens_per_sequence"] <= 256 + 64

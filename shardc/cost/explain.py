@@ -50,6 +50,8 @@ def _finite_or_none(x: float):
 def _simulate_one(cm, strategy: Strategy):
     space = cm.space_for(strategy)
     action = space.encode(strategy)
+    if cm.token_budgets is not None:  # the aggregated pool: the chosen budget's mixed step
+        return cm._scheduled(action[None, :], space, detail=True)
     return cm._simulate(action[None, :], space, detail=True)
 
 
@@ -154,6 +156,8 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     breakdown["ops"] = [  # per fused op, one layer, one micro-batch: what priced it
         {"op": r["op"] if r["layer_kind"] == "global" else f"{r['layer_kind']}.{r['op']}",
          "time_ms": r["time_ms"], "kernel_source": r["kernel_source"]} for r in ex.ops]
+    if ev.token_budget is not None:  # shardc.cost.scheduler: what the engine is told
+        breakdown["scheduler"] = scheduler_entry(ev, 0, cm.workload.prompt)
     ex.predicted = dict(tok_s_per_gpu=_finite_or_none(float(ev.tok_s_per_gpu[0])),
                         tpot_ms=_finite_or_none(float(ev.tpot_ms[0])),
                         ttft_ms=_finite_or_none(float(ev.ttft_ms[0])),
@@ -161,6 +165,16 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
                         breakdown=breakdown, kernel_source=cm.kernel_source,
                         kernel_fallbacks=kernel_fallbacks(cm, r["b"]))
     return ex
+
+
+def scheduler_entry(ev, i: int, isl: int) -> dict:
+    """The aggregated pool's scheduler at row ``i`` of an Evaluation: ``max_batched_tokens``
+    (tokens per scheduler step: vLLM ``--max-num-batched-tokens``), ``prefill_chunk_tokens``
+    (prompt tokens a mixed step carries), ``mixed_step_fraction`` and the prompt's steps."""
+    c = float(ev.prefill_chunk[i])
+    return {"max_batched_tokens": int(ev.token_budget[i]), "prefill_chunk_tokens": round(c, 3),
+            "mixed_step_fraction": float(ev.mixed_fraction[i]),
+            "prompt_steps": int(math.ceil(isl / c - 1e-9)) if c > 0 else None}
 
 
 def kernel_fallbacks(cm, b) -> list[dict]:

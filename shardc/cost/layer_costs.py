@@ -226,7 +226,9 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
         c_comp = compute_time(chunk_flops, b.hw.attention_eff, b.hw.peak_flops(False))
         c_mem = memory_time(chunk_traffic, b.hw)
         oc = OpCost(oc.compute_s + c_comp, oc.memory_s + c_mem,
-                    oc.time_s + kernel_time(c_comp, c_mem, 1, b.hw), oc.weight_bytes, oc.kv_bytes)
+                    oc.time_s + np.where(np.asarray(b.chunk_tokens) > 0,
+                                         kernel_time(c_comp, c_mem, 1, b.hw), 0.0),
+                    oc.weight_bytes, oc.kv_bytes)
     if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the longest ones set the pace
         imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
         oc = OpCost(oc.compute_s * imb, oc.memory_s * imb, oc.time_s * imb, oc.weight_bytes,

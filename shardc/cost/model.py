@@ -87,6 +87,12 @@ class Evaluation:
     memory_gb_per_gpu: np.ndarray
     feasible: np.ndarray
     reason: np.ndarray
+    # the aggregated pool's scheduler (shardc.cost.scheduler), None elsewhere: the token
+    # budget run (tokens per scheduler step), the prompt tokens a mixed step carries and the
+    # fraction of steps that carry them
+    token_budget: np.ndarray | None = None
+    prefill_chunk: np.ndarray | None = None
+    mixed_fraction: np.ndarray | None = None
 
     def reason_text(self, i: int) -> str:
         return reason_text(int(self.reason[i]))
@@ -115,8 +121,13 @@ class CostModel:
     ``kernel_source`` says what prices the model (``"roofline"`` or
     ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon; for serving
     (:mod:`shardc.cost.serving`): ``attend_context`` (positions a decode step attends, tokens;
-    default the workload's context, which is also the KV length held per sequence) and
-    ``mixed_prefill`` (prompt tokens per running sequence per decode step; 0 = pure decode).
+    default the workload's context, which is also the KV length held per sequence),
+    ``mixed_prefill`` (prompt tokens per running sequence per decode step; 0 = pure decode)
+    ``token_budgets`` (with ``mixed_prefill``: the scheduler's token budget candidates,
+    :mod:`shardc.cost.scheduler`; None = the prompt chunk ``mixed_prefill`` rides on every
+    step, the budget binding every step) and ``kv_reservation`` (decode: ``"full"`` holds
+    ``workload.context`` tokens per sequence, ``"paged"`` what a paged engine holds for
+    requests of ``workload.isl`` / ``osl`` tokens, :func:`shardc.cost.scheduler.paged_kv_tokens`).
     """
 
     def __init__(self, graph: Graph, mesh: Mesh, hardware: Hardware | str, workload: Workload,
@@ -125,7 +136,7 @@ class CostModel:
                  fp8_dispatch: bool | None = None, moe_layouts: str = "backend",
                  expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
                  engine: str = "vllm", attend_context: float | None = None,
-                 mixed_prefill: float = 0.0):
+                 mixed_prefill: float = 0.0, token_budgets=None, kv_reservation: str = "full"):
         from shardc.cost.silicon import kernels_for
 
         self.graph, self.mesh, self.workload = graph, mesh, workload
@@ -145,6 +156,14 @@ class CostModel:
         self.expert_imbalance = float(expert_imbalance)
         self.attend_context = float(attend_context or workload.context)
         self.mixed_prefill = float(mixed_prefill) if workload.phase == "decode" else 0.0
+        from shardc.cost.scheduler import KV_RESERVATIONS
+
+        if kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(f"kv_reservation {kv_reservation!r}: expected {KV_RESERVATIONS}")
+        # paged: serving pools (needs workload.isl / osl); full: the context from step one
+        self.kv_reservation = kv_reservation if workload.phase == "decode" else "full"
+        self.token_budgets = (np.asarray(sorted(token_budgets), dtype=np.float64)
+                              if token_budgets is not None and self.mixed_prefill > 0 else None)
         self.hidden = int(cfg.get("hidden", 0))
         if self.hidden <= 0:
             raise InputError(f"model {graph.name}: config has no hidden size")
@@ -202,7 +221,11 @@ class CostModel:
         return self._stage_cache[pp]
 
     # ------------------------------------------------------------------- core
-    def _simulate(self, actions: np.ndarray, space: StrategySpace, detail: bool = False) -> dict:
+    def _simulate(self, actions: np.ndarray, space: StrategySpace, detail: bool = False,
+                  chunk=None) -> dict:
+        """The step of each action row; ``chunk`` [B] overrides the prompt tokens a decode
+        step carries per micro-batch per attention group (default ``mixed_prefill`` per
+        running sequence)."""
         a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
         B = a.shape[0]
         deg = space.degree_arrays(a)
@@ -212,10 +235,13 @@ class CostModel:
         residual = (sp > 1).astype(np.int64)
         if wl.phase == "decode":
             seqs = bf / ppf / epf
-            chunk = seqs * self.mixed_prefill  # chunked-prefill tokens riding on the step
+            # chunked-prefill tokens riding on the step
+            chunk = seqs * self.mixed_prefill if chunk is None else np.asarray(chunk, float)
             tokens = seqs + chunk
             micro = ppf
             context, kv_context = self.attend_context, float(wl.context)
+            if self.kv_reservation == "paged":
+                kv_context = self.kv_tokens_per_sequence(bf / epf)
             batch_ok = batch % (pp * ep) == 0
         else:
             seqs = np.where(pp > 1, 1.0, bf / epf)
@@ -315,7 +341,7 @@ class CostModel:
             tok_s = bf / tpot / (tpf * epf * ppf)
             latency_bad = tpot * 1e3 > wl.tpot_slo_ms
             latency_reason = TPOT_SLO
-            if self.mixed_prefill > 0:  # aggregated serving: the prompt's chunks over steps
+            if self.mixed_prefill > 0:  # aggregated serving, the budget binding every step
                 steps = np.ceil(wl.prompt / np.maximum(chunk, 1e-9) - 1e-9)
                 ttft = (steps + 0.5) * tpot
                 ttft_bad = ttft * 1e3 > wl.ttft_slo_ms
@@ -335,23 +361,80 @@ class CostModel:
         mem_gb = (model_bytes + self.hw.workspace_gb * 1e9) / 1e9
         mem_bad = model_bytes > self.hw.usable_hbm_bytes
 
-        reason = np.full(B, OK, dtype=np.int64)
-        for cond, code in ((latency_bad, latency_reason), (mem_bad, NO_MEMORY),
-                           (~(batch_ok & split_ok), BAD_BATCH), (~choices_ok, BAD_CHOICE),
-                           (dp <= 0, BAD_DEGREES)):
-            reason = np.where(cond, code, reason)
+        hard = np.full(B, OK, dtype=np.int64)  # what no scheduling can change
+        for cond, code in ((mem_bad, NO_MEMORY), (~(batch_ok & split_ok), BAD_BATCH),
+                           (~choices_ok, BAD_CHOICE), (dp <= 0, BAD_DEGREES)):
+            hard = np.where(cond, code, hard)
+        reason = np.where((hard == OK) & latency_bad, latency_reason, hard)
         bad_deg = dp <= 0
         tok_s = np.where(bad_deg, 0.0, tok_s)
         ev = Evaluation(tok_s_per_gpu=tok_s, tpot_ms=tpot * 1e3, ttft_ms=ttft * 1e3,
                         memory_gb_per_gpu=mem_gb, feasible=reason == OK, reason=reason)
-        return dict(ev=ev, kinds=kinds_out, glob=glob, stage_t=stage_t, stage_m=stage_m,
+        return dict(ev=ev, hard=hard, chunk=chunk, kinds=kinds_out, glob=glob, stage_t=stage_t, stage_m=stage_m,
                     send=send, tick=tick, micro=micro, act=act, b=b, deg=deg,
                     layer_time=layer_time, layer_mem=layer_mem)
 
     # ------------------------------------------------------------------ public
+    def kv_tokens_per_sequence(self, resident_seqs):
+        """KV tokens held per running sequence (decode; ``resident_seqs`` = sequences
+        sharing one GPU's KV pool = batch / ep): ``workload.context`` under the ``full``
+        reservation, :func:`shardc.cost.scheduler.paged_kv_tokens` under ``paged``."""
+        if self.kv_reservation != "paged":
+            return np.full(np.shape(resident_seqs), float(self.workload.context))
+        from shardc.cost.scheduler import PAGE_TOKENS, paged_kv_tokens
+
+        wl = self.workload
+        return paged_kv_tokens(wl.isl, wl.osl, resident_seqs,
+                               PAGE_TOKENS.get(self.kernel_options["engine"], 1))
+
     def evaluate(self, actions: np.ndarray, space: StrategySpace) -> Evaluation:
         """Evaluate a batch of actions [B, A] of ``space`` (see :class:`Evaluation`)."""
+        if self.token_budgets is not None:
+            return self._scheduled(actions, space)["ev"]
         return self._simulate(actions, space)["ev"]
+
+    def _scheduled(self, actions: np.ndarray, space: StrategySpace,
+                   detail: bool = False) -> dict:
+        """The aggregated pool under the scheduler's token budget (:mod:`shardc.cost.scheduler`):
+        every row at the pure-decode step and at each budget candidate's mixed step (one
+        vectorised pass), each row running its best budget; ``detail``: the returned step
+        (ops, stages) is the chosen budget's mixed step."""
+        from shardc.cost import scheduler
+
+        a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
+        B, budgets = a.shape[0], self.token_budgets
+        K = len(budgets)
+        deg = space.degree_arrays(a)
+        bf = deg["batch"].astype(np.float64)
+        gpus = (deg["tp"] * deg["ep"] * deg["pp"]).astype(np.float64)
+        seqs = bf / deg["pp"] / deg["ep"]
+        demand = seqs * self.mixed_prefill
+        isl = float(self.workload.prompt)
+        budgets = scheduler.row_budgets(seqs, demand, budgets)  # [B, K]
+        chunk = scheduler.prefill_chunks(seqs, demand, isl, budgets)
+        r = self._simulate(np.tile(a, (K + 1, 1)), space,
+                           chunk=np.concatenate([np.zeros(B), chunk.T.reshape(-1)]))
+        step = r["ev"].tpot_ms.reshape(K + 1, B)  # ms, pp ticks of one micro-batch
+        tpot, ttft, _ = scheduler.schedule(step[0], step[1:].T, chunk, demand, isl)
+        hard = r["hard"].reshape(K + 1, B)[1:].T
+        with np.errstate(divide="ignore", invalid="ignore"):
+            value = np.where(deg["dp"][:, None] > 0,
+                             bf[:, None] / (tpot / 1e3) / gpus[:, None], 0.0)
+        wl = self.workload
+        k = scheduler.choose(value, tpot, ttft, hard == OK, wl.tpot_slo_ms, wl.ttft_slo_ms)
+        rows = np.arange(B)
+        tp_, tt_, hd, c = (x[rows, k] for x in (tpot, ttft, hard, chunk))
+        reason = np.where(hd != OK, hd, np.where(tp_ > wl.tpot_slo_ms, TPOT_SLO,
+                                                 np.where(tt_ > wl.ttft_slo_ms, TTFT_SLO, OK)))
+        mem = r["ev"].memory_gb_per_gpu.reshape(K + 1, B)[1:].T
+        ev = Evaluation(tok_s_per_gpu=value[rows, k], tpot_ms=tp_, ttft_ms=tt_,
+                        memory_gb_per_gpu=mem[rows, k], feasible=reason == OK, reason=reason,
+                        token_budget=budgets[rows, k], prefill_chunk=c,
+                        mixed_fraction=np.minimum(demand / np.where(c > 0, c, np.inf), 1.0))
+        if detail:
+            r = self._simulate(a, space, detail=True, chunk=c)
+        r["ev"] = ev
+        return r
 
     def reason_text(self, code: int) -> str:
         return reason_text(code)

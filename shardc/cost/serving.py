@@ -5,14 +5,17 @@ Throughput is output tokens/s per GPU of the whole mesh; per-user speed is ``100
 (tokens/s). Nothing here is a second cost model: every step time comes from CostModel.
 
 **Aggregated** (one pool of dp replicas, in-flight batching with chunked prefill):
-:func:`agg_cost_model` -- a decode step of ``batch`` running sequences per replica that also
-carries, in steady state (request completions = arrivals), ``batch * isl / osl`` prompt tokens
-per step (``mixed_prefill = isl / osl`` per running sequence; the chunk size is derived, not
-searched). GEMMs are priced at decode + chunk tokens; attention decodes the running sequences
-at the mean context ``isl + osl / 2`` and runs context attention for the chunk; the KV cache
-held is ``isl + osl`` per running sequence. ``TPOT`` = the mixed step time;
-``TTFT = (ceil(isl / chunk per micro-batch) + 0.5) * TPOT`` (the prompt's chunks spread over
-steps plus half a step to join one; no further queueing: arrivals match the capacity).
+:func:`agg_cost_model` -- ``batch`` running sequences per replica; the engine's scheduler
+(:mod:`shardc.cost.scheduler`) runs their decode tokens every step and fills a per-step token
+budget (searched over :data:`~shardc.cost.scheduler.TOKEN_BUDGETS`) with the waiting prompts;
+in steady state (request completions = arrivals) ``batch * isl / osl`` prompt tokens arrive
+per step (``mixed_prefill = isl / osl`` per running sequence). A step carrying a chunk prices
+its GEMMs at decode + chunk tokens and runs context attention for the chunk; decode attention
+reads the mean context ``isl + osl / 2``; the KV cache held is ``isl + osl`` per running
+sequence. ``TPOT`` = the mean step over a request's decode steps; ``TTFT`` = half a step
+joining plus its prompt's chunks under the budget. ``token_budgets=None`` is the budget
+binding every step: the chunk ``batch * isl / osl`` rides on every step, ``TPOT`` = that
+mixed step, ``TTFT = (ceil(isl / chunk per micro-batch) + 0.5) * TPOT``.
 
 **Disaggregated**: a prefill pool of ``x`` workers (:func:`prefill_cost_model`: the prefill
 phase at prompt ``isl``; TTFT = its prefill latency + :func:`kv_transfer_s`) and a decode pool
@@ -34,6 +37,9 @@ import numpy as np
 from shardc.cost.capacity import kv_elems_per_token
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.model import CostModel
+from shardc.cost.scheduler import TOKEN_BUDGETS
+
+KV_RESERVATION = "paged"  # the KV tokens a mixed / decode pool reserves per sequence
 from shardc.ir.graph import Graph
 from shardc.ir.strategy import Mesh, Workload
 
@@ -59,10 +65,15 @@ def pool_workload(wl: Workload, role: str) -> Workload:
 
 
 def pool_cost_model(graph: Graph, mesh: Mesh, hardware: Hardware | str, wl: Workload,
-                    role: str, mixed_prefill: float | None = None, **options) -> CostModel:
+                    role: str, mixed_prefill: float | None = None,
+                    token_budgets=TOKEN_BUDGETS, kv_reservation: str = KV_RESERVATION,
+                    **options) -> CostModel:
     """The CostModel of one pool (``role``: mixed = the aggregated step, prefill, decode);
     ``mixed_prefill`` overrides the mixed step's prompt tokens per running sequence per step
-    (default ``isl / osl``; 0 gives the pure decode step)."""
+    (default ``isl / osl``; 0 gives the pure decode step); ``token_budgets``: the mixed pool's
+    scheduler budget candidates (:mod:`shardc.cost.scheduler`; None = the steady-state chunk
+    on every step); ``kv_reservation``: the KV tokens a mixed / decode pool holds per running
+    sequence (:data:`~shardc.cost.scheduler.KV_RESERVATIONS`; default paged)."""
     if role not in ROLES:
         raise ValueError(f"unknown pool role {role!r}")
     pw = pool_workload(wl, role)
@@ -72,7 +83,8 @@ def pool_cost_model(graph: Graph, mesh: Mesh, hardware: Hardware | str, wl: Work
     chunk = (wl.isl / wl.osl if mixed_prefill is None else float(mixed_prefill)) \
         if role == "mixed" else 0.0
     return CostModel(graph, mesh, hardware, pw, attend_context=attended, mixed_prefill=chunk,
-                     **options)
+                     token_budgets=token_budgets if role == "mixed" else None,
+                     kv_reservation=kv_reservation, **options)
 
 
 def kv_bytes_per_token(graph: Graph, kv_bytes: float | None = None) -> float:
