@@ -20,7 +20,6 @@ DOCUMENTED = {
     "TRT-LLM Llama-3.1-70B TP8 128/2048": (1.2, 1.5),
     "TRT-LLM Mixtral-8x7B TP8 128/128": (1.3, 1.65),
     "TRT-LLM Mixtral-8x7B TP8 2048/2048": (1.3, 1.6),
-    "DeepSeek-V3 prefill, per node": (0.5, 0.75),
 }
 
 

@@ -213,6 +213,8 @@ def _non_default(f):
         return next(v for v in SERVE_MODES if v != d)
     if f.name == "phase":
         return "serve"
+    if f.name == "routing":
+        return next(v for v in ("balanced", "uniform") if v != d)
     if isinstance(d, bool):
         return not d
     if isinstance(d, (int, float)) or d is None:

@@ -54,6 +54,20 @@ def add_workload_arguments(p) -> None:
                    help="time to first token SLO (ms)")
     add_quantisation_arguments(p)
     add_kernel_arguments(p)
+    add_routing_arguments(p)
+
+
+def add_routing_arguments(p) -> None:
+    """``--routing`` / ``--redundant-experts`` (the expert load model, shardc.cost.routing)."""
+    from shardc.ir.strategy import DEFAULT_ROUTING
+
+    p.add_argument("--routing", default=DEFAULT_ROUTING, metavar="balanced|uniform|powerlaw:A",
+                   help="MoE expert routing model: the busiest EP rank's load follows it "
+                        f"(default {DEFAULT_ROUTING}; powerlaw:0.37 / 0.9 reproduce the expert "
+                        "skew NVIDIA reports for DeepSeek-V3 / Qwen3-235B)")
+    p.add_argument("--redundant-experts", type=int_arg(0, 4096, "experts"), default=0,
+                   help="EPLB: extra expert slots per EP group holding replicas of the most "
+                        "loaded experts (vLLM --enable-eplb, SGLang --ep-num-redundant-experts)")
 
 
 def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
@@ -82,7 +96,8 @@ def workload_from_args(args) -> Workload:
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
                     tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
                     weights=args.weights, kv_cache=args.kv_cache, isl=args.isl,
-                    osl=args.osl, mode=args.mode)
+                    osl=args.osl, mode=args.mode, routing=args.routing,
+                    redundant_experts=args.redundant_experts)
 
 
 def add_arguments(p) -> None:

@@ -77,6 +77,7 @@ class Batch:
     # decode only: prompt tokens of a chunked prefill riding on the step (aggregated serving;
     # included in ``tokens``), which attend on average to half the prompt
     chunk_tokens: np.ndarray | float = 0.0
+    redundant_experts: int = 0  # EPLB's extra expert slots per EP group (ep > 1)
 
 
 @dataclass
@@ -150,7 +151,9 @@ def expert_cost(fop: FusedOp, div: np.ndarray, b: Batch, branch_ops=()) -> OpCos
     # expected fraction of experts hit by >= 1 of the micro-batch's routed tokens
     total = b.tokens * b.ep
     active = 1.0 - np.power(1.0 - min(k / E, 1.0), total)
-    w_res = fop.params / b.ep * b.weight_bytes / d_w
+    # EPLB: each ep rank also holds its share of the redundant slots (a multiple of ep)
+    slots = 1.0 + np.where(b.ep > 1, (b.redundant_experts // b.ep) * b.ep, 0) / E
+    w_res = fop.params / b.ep * slots * b.weight_bytes / d_w
     w_read = w_res * active
     flops = te * _flops_per_token(fop) / k / d_flop
     per_expert_m = te / d_tok / np.maximum(local * active, 1e-9)

@@ -70,7 +70,7 @@ REASONS = {
 }
 OK, BAD_DEGREES, BAD_CHOICE, BAD_BATCH, NO_MEMORY, TPOT_SLO, TTFT_SLO = range(7)
 
-DEFAULT_EXPERT_IMBALANCE = 1.3  # busiest ep rank's routed tokens / mean (ep > 1)
+DEFAULT_EXPERT_IMBALANCE = 1.3  # the fixed factor shardc used before shardc.cost.routing
 
 
 def reason_text(code: int) -> str:
@@ -115,7 +115,9 @@ class CostModel:
     "fp8"``), ``fp8_dispatch`` (MoE dispatch in FP8, :mod:`shardc.cost.moe_dispatch`;
     default: as ``fp8_gemm``), ``moe_layouts`` (the tensor layouts the MoE exchange may
     cross at, :data:`shardc.cost.moe_dispatch.LAYOUT_RULES`; default ``"backend"``, what the
-    emitted code runs), ``expert_imbalance`` (default :data:`DEFAULT_EXPERT_IMBALANCE`), ``kernels``
+    emitted code runs), ``expert_imbalance`` (a fixed busiest-EP-rank / mean rows factor;
+    default None: from ``workload.routing`` / ``redundant_experts`` per strategy,
+    :func:`shardc.cost.routing.rank_imbalance`), ``kernels``
     (``"roofline"``, the default here, or ``"silicon"``: measured kernel times where the
     tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
     ``kernel_source`` says what prices the model (``"roofline"`` or
@@ -134,7 +136,7 @@ class CostModel:
                  *, weight_bytes: float | None = None, kv_bytes: float | None = None,
                  act_bytes: float | None = None, fp8_gemm: bool | None = None,
                  fp8_dispatch: bool | None = None, moe_layouts: str = "backend",
-                 expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE, kernels: str = "roofline",
+                 expert_imbalance: float | None = None, kernels: str = "roofline",
                  engine: str = "vllm", attend_context: float | None = None,
                  mixed_prefill: float = 0.0, token_budgets=None, kv_reservation: str = "full"):
         from shardc.cost.silicon import kernels_for
@@ -153,7 +155,7 @@ class CostModel:
         if moe_layouts not in LAYOUT_RULES:
             raise ValueError(f"moe_layouts {moe_layouts!r}: expected one of {LAYOUT_RULES}")
         self.moe_layouts = moe_layouts
-        self.expert_imbalance = float(expert_imbalance)
+        self.expert_imbalance = None if expert_imbalance is None else float(expert_imbalance)
         self.attend_context = float(attend_context or workload.context)
         self.mixed_prefill = float(mixed_prefill) if workload.phase == "decode" else 0.0
         from shardc.cost.scheduler import KV_RESERVATIONS
@@ -249,7 +251,7 @@ class CostModel:
             micro = np.where(pp > 1, bf / epf, 1.0)
             context, kv_context = float(wl.prompt), float(wl.prompt)
             batch_ok = batch % ep == 0
-        imb = np.where(ep > 1, self.expert_imbalance, 1.0)
+        imb = self.imbalance(tokens * epf, ep)
         b = Batch(hw=self.hw, phase=wl.phase, tp=tpf, ep=epf, sp=sp, seqs=seqs,
                   seqs_resident=bf / epf, tokens=tokens,
                   expert_tokens=tokens * self.top_k * imb,
@@ -261,7 +263,8 @@ class CostModel:
                   weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
                   kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
                   detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
-                  moe_layouts=self.moe_layouts, kernels=self.kernels)
+                  moe_layouts=self.moe_layouts, kernels=self.kernels,
+                  redundant_experts=int(wl.redundant_experts))
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
@@ -375,6 +378,21 @@ class CostModel:
                     layer_time=layer_time, layer_mem=layer_mem)
 
     # ------------------------------------------------------------------ public
+    def imbalance(self, tokens, ep) -> np.ndarray:
+        """Busiest EP rank's routed rows / the mean rank's for ``tokens`` entering a MoE layer
+        over the EP group (arrays; 1 where ep = 1 or the model has no experts): the fixed
+        ``expert_imbalance`` if given, else the routing model's expectation."""
+        ep = np.asarray(ep)
+        if self.expert_imbalance is not None:
+            return np.where(ep > 1, self.expert_imbalance, 1.0)
+        if self.num_experts <= 1:
+            return np.ones(np.broadcast(tokens, ep).shape)
+        from shardc.cost.routing import rank_imbalance
+
+        wl = self.workload
+        return rank_imbalance(tokens, self.num_experts, self.top_k, ep, wl.routing,
+                              wl.redundant_experts)
+
     def kv_tokens_per_sequence(self, resident_seqs):
         """KV tokens held per running sequence (decode; ``resident_seqs`` = sequences
         sharing one GPU's KV pool = batch / ep): ``workload.context`` under the ``full``

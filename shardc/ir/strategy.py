@@ -88,6 +88,28 @@ def format_bytes(fmt: str, native_bytes: float) -> float:
 
 PHASES = ("decode", "prefill", "serve")
 SERVE_MODES = ("auto", "agg", "disagg")
+# --routing (Workload.routing): the expert routing model of shardc.cost.routing
+ROUTING_KINDS = ("balanced", "uniform", "powerlaw")
+DEFAULT_ROUTING = "uniform"
+MAX_REDUNDANT_EXPERTS = 4096
+
+
+def parse_routing(text: str) -> tuple[str, float]:
+    """``(kind, alpha)`` of a ``--routing`` value (``balanced``, ``uniform`` or
+    ``powerlaw:ALPHA``, ALPHA in [0, 4]); InputError naming the accepted forms."""
+    s = str(text).strip().lower()
+    kind, _, arg = s.partition(":")
+    if kind in ("balanced", "uniform") and not arg:
+        return kind, 0.0
+    if kind == "powerlaw":
+        try:
+            alpha = float(arg)
+        except ValueError:
+            alpha = float("nan")
+        if 0.0 <= alpha <= 4.0:  # False for NaN
+            return kind, alpha
+    raise InputError(f"--routing {text!r}: expected balanced, uniform or powerlaw:ALPHA "
+                     "(ALPHA between 0 and 4, e.g. powerlaw:0.37)")
 
 
 @dataclass
@@ -100,7 +122,9 @@ class Workload:
     GEMMs at the FP8 peak); ``bf16`` = the model's 16-bit dtype. ``phase="serve"`` (SPEC
     section 11): requests of ``isl`` input and ``osl`` output tokens under both SLOs, served
     by one aggregated pool (``mode="agg"``), a prefill and a decode pool (``"disagg"``) or the
-    better (``"auto"``); ``batch`` then caps the running sequences per replica.
+    better (``"auto"``); ``batch`` then caps the running sequences per replica. ``routing``:
+    the expert routing model (:func:`parse_routing`, :mod:`shardc.cost.routing`);
+    ``redundant_experts``: EPLB's extra expert slots per EP group (0 = none).
     """
 
     phase: str = "decode"
@@ -114,12 +138,19 @@ class Workload:
     isl: int = 2048
     osl: int = 512
     mode: str = "auto"
+    routing: str = DEFAULT_ROUTING
+    redundant_experts: int = 0
 
     def __post_init__(self):
         if self.phase not in PHASES:
             raise InputError(f"--phase {self.phase!r}: expected decode, prefill or serve")
         if self.mode not in SERVE_MODES:
             raise InputError(f"--mode {self.mode!r}: expected auto, agg or disagg")
+        kind, alpha = parse_routing(self.routing)
+        self.routing = kind if kind != "powerlaw" else f"powerlaw:{alpha:g}"
+        self.redundant_experts = check_number(self.redundant_experts, "--redundant-experts",
+                                              integer=True, minimum=0,
+                                              maximum=MAX_REDUNDANT_EXPERTS, unit="experts")
         for name in ("weights", "kv_cache"):
             value = getattr(self, name)
             if value not in QUANT_FORMATS:
