@@ -147,3 +147,20 @@ def test_cost_model_reads_the_routing_per_strategy():
             < CostModel(g, mesh, "h100", skew).imbalance(tokens, ep)[many]).all()
     # the replicas are weights too (and a memory-bound decode step reads them)
     assert (eplb.memory_gb_per_gpu[many] > ev["powerlaw:0.9"].memory_gb_per_gpu[many]).all()
+
+
+def test_bad_routing_flags_are_one_line_exit_2(capsys):
+    from pathlib import Path
+
+    from shardc.cli import main
+
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_llama.py")
+    for flags, what in ((["--routing", "zipf"], "--routing 'zipf'"),
+                        (["--redundant-experts", "-3"], "--redundant-experts")):
+        try:
+            code = main(["simulate", tiny, "--mesh", "1x1", "--degrees", "tp=1", *flags])
+        except SystemExit as e:  # argparse's own check
+            code = e.code
+        assert code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"shardc: error: {what}") and len(err.strip().splitlines()) == 1
