@@ -213,7 +213,8 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
               prompt=int(workload.prompt), tpot_slo_ms=float(workload.tpot_slo_ms),
               ttft_slo_ms=float(workload.ttft_slo_ms), weights=workload.weights,
               kv_cache=workload.kv_cache, isl=int(workload.isl), osl=int(workload.osl),
-              routing=workload.routing, redundant_experts=int(workload.redundant_experts))
+              routing=workload.routing, redundant_experts=int(workload.redundant_experts),
+              fp8_scaling=workload.fp8_scaling)
     nodes = plan_nodes(g, wl)
     if serve_workload is not None:
         wl.update(phase="serve", isl=int(serve_workload.isl), osl=int(serve_workload.osl),
@@ -286,8 +287,8 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
         Workload(phase=w["phase"], batch=w["batch"], context=w["context"], prompt=w["prompt"],
                  tpot_slo_ms=w["tpot_slo_ms"], ttft_slo_ms=w["ttft_slo_ms"],
                  weights=w.get("weights", "bf16"), kv_cache=w.get("kv_cache", "bf16"),
-                 **{k: w[k] for k in ("isl", "osl", "mode", "routing", "redundant_experts")
-                    if k in w})
+                 **{k: w[k] for k in ("isl", "osl", "mode", "routing", "redundant_experts",
+                                      "fp8_scaling") if k in w})
     except InputError as e:
         raise InputError(f"{where}: {section}: {e}") from None
     gpus = m["gpus_per_node"] * m["nodes"]

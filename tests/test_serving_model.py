@@ -213,6 +213,8 @@ def _non_default(f):
         return next(v for v in SERVE_MODES if v != d)
     if f.name == "phase":
         return "serve"
+    if f.name == "fp8_scaling":
+        return "block"
     if f.name == "routing":
         return next(v for v in ("balanced", "uniform") if v != d)
     if isinstance(d, bool):

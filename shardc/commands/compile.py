@@ -68,6 +68,11 @@ def add_routing_arguments(p) -> None:
     p.add_argument("--redundant-experts", type=int_arg(0, 4096, "experts"), default=0,
                    help="EPLB: extra expert slots per EP group holding replicas of the most "
                         "loaded experts (vLLM --enable-eplb, SGLang --ep-num-redundant-experts)")
+    p.add_argument("--fp8-scaling", default="per-tensor",
+                   choices=["per-tensor", "per-token", "block"],
+                   help="with --weights fp8: how activations are scaled to FP8 (priced as its "
+                        "own quantisation kernel; block = 1x128 groups with the block-scaled "
+                        "GEMM, DeepSeek-V3's format)")
 
 
 def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
@@ -97,7 +102,7 @@ def workload_from_args(args) -> Workload:
                     tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
                     weights=args.weights, kv_cache=args.kv_cache, isl=args.isl,
                     osl=args.osl, mode=args.mode, routing=args.routing,
-                    redundant_experts=args.redundant_experts)
+                    redundant_experts=args.redundant_experts, fp8_scaling=args.fp8_scaling)
 
 
 def add_arguments(p) -> None:

@@ -111,6 +111,7 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
                 choice=choice_name(op, strategy.choices[slot]), mode=MODES[int(mode[0])],
                 compute_ms=_f(oc.compute_s) * 1e3, memory_ms=_f(oc.memory_s) * 1e3,
                 time_ms=_f(oc.time_s) * 1e3, comm_ms=_f(c_s) * 1e3, kernel_source=oc.source,
+                act_quant_ms=_f(oc.quant_s) * 1e3,
                 weight_bytes=_f(oc.weight_bytes), kv_bytes=_f(oc.kv_bytes)))
             comp["ops_ms"] += n_t * _f(oc.time_s) * 1e3
             weights += n_m * _f(oc.weight_bytes)

@@ -26,6 +26,7 @@ from shardc.cost import silicon
 from shardc.cost.branch_tables import BranchTable
 from shardc.cost.imbalance import batch_split_imbalance
 from shardc.cost.moe_dispatch import experts_exchange
+from shardc.cost.quantisation import quant_time
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.contract import (
@@ -78,6 +79,7 @@ class Batch:
     # included in ``tokens``), which attend on average to half the prompt
     chunk_tokens: np.ndarray | float = 0.0
     redundant_experts: int = 0  # EPLB's extra expert slots per EP group (ep > 1)
+    fp8_scaling: str = "per-tensor"  # FP8 linears' activation scaling (cost.quantisation)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class OpCost:
     weight_bytes: np.ndarray
     kv_bytes: np.ndarray
     source: str = "roofline"  # detail: what priced time_s (silicon.STATUS_TEXT)
+    quant_s: np.ndarray | float = 0.0  # FP8: the activation quantisation's part of time_s
 
 
 @dataclass
@@ -131,10 +134,15 @@ def linear_cost(fop: FusedOp, div: np.ndarray, tokens, b: Batch) -> OpCost:
     flops = tokens * _flops_per_token(fop) * (sh / d_flop + (1.0 - sh) / d_tok)
     eff = gemm_flop_efficiency(tokens / d_tok, fop.in_features * fop.out_features * w_frac, b.hw)
     comp = compute_time(flops, eff, b.gemm_peak)
+    k = fop.in_features / d_in
+    quant = 0.0
+    if b.gemm_peak > b.hw.peak_flops(False):  # FP8: quantise the input, GEMM on FP8 operands
+        act = act - tokens * k * (b.act_bytes - 1.0)
+        quant = quant_time(tokens / d_tok, k, b.fp8_scaling, b.act_bytes, b.hw)
     mem = memory_time(wbytes + act, b.hw)
-    oc = OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw), wbytes, np.zeros_like(wbytes))
+    oc = OpCost(comp, mem, kernel_time(comp, mem, 1, b.hw) + quant, wbytes, np.zeros_like(wbytes),
+                quant_s=quant)
     if b.kernels is not None:
-        k = fop.in_features / d_in
         oc = silicon.price_linear(oc, fop.name, tokens / d_tok, wbytes / b.weight_bytes / k, k,
                                   flops, wbytes + act, b)
     return oc

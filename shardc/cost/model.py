@@ -264,7 +264,7 @@ class CostModel:
                   kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
                   detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
                   moe_layouts=self.moe_layouts, kernels=self.kernels,
-                  redundant_experts=int(wl.redundant_experts))
+                  redundant_experts=int(wl.redundant_experts), fp8_scaling=wl.fp8_scaling)
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])

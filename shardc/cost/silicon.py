@@ -158,6 +158,11 @@ class SiliconKernels:
         return idx
 
     # ----------------------------------------------------------------------- GEMM
+    def _axes(self, dtype: str):
+        """(m, n, k) grids of the ``gemm_<dtype>`` table (fp8_block has its own)."""
+        p = f"gemm_{dtype}_" if f"gemm_{dtype}_m" in self.t else "gemm_"
+        return self.t[p + "m"], self.t[p + "n"], self.t[p + "k"]
+
     def _gemm_curve(self, dtype: str, n: float, k: float) -> np.ndarray:
         """Latency over the m grid at weight shape (n, k): bilinear in (log n, log k),
         proportional beyond the largest n / k, held below the smallest."""
@@ -167,7 +172,8 @@ class SiliconKernels:
             lat = self.t[f"gemm_{dtype}"]
             c = np.ones(lat.shape[0])
             weights = []
-            for axis_vals, v in ((self.t["gemm_n"], n), (self.t["gemm_k"], k)):
+            _, gn, gk = self._axes(dtype)
+            for axis_vals, v in ((gn, n), (gk, k)):
                 lg, lv = np.log(axis_vals), np.log(np.clip(v, axis_vals[0], axis_vals[-1]))
                 j = int(np.clip(np.searchsorted(lg, lv, side="right") - 1, 0, len(lg) - 2))
                 w = (lv - lg[j]) / (lg[j + 1] - lg[j])
@@ -178,15 +184,23 @@ class SiliconKernels:
             self._gemm_curves[key] = c
         return c
 
-    def gemm(self, m, n, k, fp8: bool):
-        """GEMM of m x k times k x n (arrays [B]): (seconds, status)."""
-        dtype = "fp8" if fp8 and "gemm_fp8" in self.t else "bf16"
+    def gemm_dtype(self, fp8: bool, block: bool = False) -> str:
+        """The table an FP8 (``block``: block-scaled) or BF16 GEMM reads."""
+        if fp8 and block and "gemm_fp8_block" in self.t:
+            return "fp8_block"
+        return "fp8" if fp8 and "gemm_fp8" in self.t else "bf16"
+
+    def gemm(self, m, n, k, fp8: bool, block: bool = False):
+        """GEMM of m x k times k x n (arrays [B]): (seconds, status); ``block``: the
+        block-scaled FP8 table where the engine has one."""
+        dtype = self.gemm_dtype(fp8, block)
+        gm, gn, gk = self._axes(dtype)
         m, n, k = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (m, n, k)))
         uniq, inv = _unique_pairs(n, k)
         curves = np.stack([self._gemm_curve(dtype, float(a), float(b)) for a, b in uniq])
-        t, inside = _interp_rows(self.t["gemm_m"], curves, inv, m)
+        t, inside = _interp_rows(gm, curves, inv, m)
         box = lambda v, g: (v >= g[0]) & (v <= g[-1])  # noqa: E731
-        inside &= box(n, self.t["gemm_n"]) & box(k, self.t["gemm_k"])
+        inside &= box(n, gn) & box(k, gk)
         return t, np.where(inside, MEASURED, EXTRAPOLATED)
 
     # ---------------------------------------------------------- curves over one size axis
@@ -332,9 +346,11 @@ def _merge(oc, t, status, floor_s, b, op: str, table: str, shape: str, why: str)
 def price_linear(oc, op: str, m, n, k, flops, nbytes, b):
     """A linear op as one GEMM (m tokens, n x k weight shard per GPU)."""
     fp8 = b.gemm_peak > b.hw.peak_flops(False)
-    t, status = b.kernels.gemm(m, n, k, fp8)
+    block = fp8 and b.fp8_scaling == "block"
+    t, status = b.kernels.gemm(m, n, k, fp8, block)
+    # the measured FP8 linear includes its input quantisation (module shardc.cost.quantisation)
     floor = np.maximum(flops / b.gemm_peak, nbytes / b.hw.hbm_bytes_s)
-    shape = f"gemm m={_fmt(m)} n={_fmt(n)} k={_fmt(k)} {'fp8' if fp8 else 'bf16'}"
+    shape = f"gemm m={_fmt(m)} n={_fmt(n)} k={_fmt(k)} {b.kernels.gemm_dtype(fp8, block)}"
     return _merge(oc, t, status, floor, b, op, "GEMM", shape, "")
 
 

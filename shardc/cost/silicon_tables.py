@@ -12,7 +12,8 @@ file's code, so a warm compile reads one small file and never imports pyarrow/pa
 Grids (all latencies in SECONDS; sizes as the tables give them):
 
 * ``gemm_<dtype>``: ``[M, N, K]`` over ``gemm_m`` x ``gemm_n`` x ``gemm_k`` (dtype ``bf16`` /
-  ``fp8``);
+  ``fp8``: per-tensor scaled); ``gemm_fp8_block`` over its own ``gemm_fp8_block_m/n/k`` (FP8
+  with 1 x 128 activation / 128 x 128 weight scales, the engine's block-scaled linear);
 * ``ctx_attn`` / ``gen_attn``: keys ``[A, 4]`` (heads, kv_heads, head_dim, kv_fp8) -> ``[A,
   batch, length]`` (context: ``isl``; generation: KV length = isl + step);
 * ``ctx_mla`` / ``gen_mla``: the MLA attention core with DeepSeek-V3's latent (512 + rope
@@ -218,6 +219,14 @@ def _build_gemm(root, system, engine, out, versions):
             lat = np.apply_along_axis(_fill_along, axis, lat, vals)
         out[f"gemm_{name}"] = _monotone(lat, 0) * 1e-3
         out["gemm_m"], out["gemm_n"], out["gemm_k"] = m, n, k
+    sub = df[df.gemm_dtype == "fp8_block"]  # block-scaled FP8: its own (m, n, k) grid
+    if not sub.empty:
+        (m, n, k), lat = _grid(sub, ["m", "n", "k"])
+        for axis, vals in ((0, m), (2, k), (1, n)):
+            lat = np.apply_along_axis(_fill_along, axis, lat, vals)
+        if not np.isnan(lat).any():
+            out["gemm_fp8_block"] = _monotone(lat, 0) * 1e-3
+            out["gemm_fp8_block_m"], out["gemm_fp8_block_n"], out["gemm_fp8_block_k"] = m, n, k
 
 
 def _attention_frames(root, system, engine, versions):

@@ -91,6 +91,7 @@ SERVE_MODES = ("auto", "agg", "disagg")
 # --routing (Workload.routing): the expert routing model of shardc.cost.routing
 ROUTING_KINDS = ("balanced", "uniform", "powerlaw")
 DEFAULT_ROUTING = "uniform"
+FP8_SCALINGS = ("per-tensor", "per-token", "block")  # --fp8-scaling (shardc.cost.quantisation)
 MAX_REDUNDANT_EXPERTS = 4096
 
 
@@ -124,7 +125,8 @@ class Workload:
     by one aggregated pool (``mode="agg"``), a prefill and a decode pool (``"disagg"``) or the
     better (``"auto"``); ``batch`` then caps the running sequences per replica. ``routing``:
     the expert routing model (:func:`parse_routing`, :mod:`shardc.cost.routing`);
-    ``redundant_experts``: EPLB's extra expert slots per EP group (0 = none).
+    ``redundant_experts``: EPLB's extra expert slots per EP group (0 = none);
+    ``fp8_scaling``: how FP8 linears scale their activations (:data:`FP8_SCALINGS`).
     """
 
     phase: str = "decode"
@@ -140,12 +142,16 @@ class Workload:
     mode: str = "auto"
     routing: str = DEFAULT_ROUTING
     redundant_experts: int = 0
+    fp8_scaling: str = "per-tensor"
 
     def __post_init__(self):
         if self.phase not in PHASES:
             raise InputError(f"--phase {self.phase!r}: expected decode, prefill or serve")
         if self.mode not in SERVE_MODES:
             raise InputError(f"--mode {self.mode!r}: expected auto, agg or disagg")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise InputError(f"--fp8-scaling {self.fp8_scaling!r}: expected "
+                             f"{', '.join(FP8_SCALINGS)}")
         kind, alpha = parse_routing(self.routing)
         self.routing = kind if kind != "powerlaw" else f"powerlaw:{alpha:g}"
         self.redundant_experts = check_number(self.redundant_experts, "--redundant-experts",
