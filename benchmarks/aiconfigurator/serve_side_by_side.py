@@ -178,8 +178,10 @@ def shardc_serve_plan(case: ServeCase) -> dict:
 
 def _pool_aic_flags(pool: dict, moe: bool, prefix: str = "") -> list[str] | None:
     """AIConfigurator flags for one shardc pool: per-worker parallelism (tp, pp, attention DP =
-    ep, expert TP x EP = tp x ep), batch per attention-DP rank, and workers = the pool's GPUs /
-    GPUs per worker (shardc's dp replicas count as workers)."""
+    ep, expert TP x EP = tp x ep), batch per attention-DP rank per micro-batch (AIConfigurator's
+    ``--batch-size``: its concurrency is batch-size x pp per rank; shardc's batch counts every
+    sequence of the replica, over pp micro-batches and ep attention groups), and workers = the
+    pool's GPUs / GPUs per worker (shardc's dp replicas count as workers)."""
     deg = pool.get("degrees") or {}
     tp, pp, ep = (int(deg.get(k, 1)) for k in ("tp", "pp", "ep"))
     batch = pool.get("batch")
@@ -189,7 +191,7 @@ def _pool_aic_flags(pool: dict, moe: bool, prefix: str = "") -> list[str] | None
     pool_gpus = int(pool.get("workers", 1)) * int(pool.get("gpus_per_worker", per_worker))
     p = f"--{prefix}-" if prefix else "--"
     flags = ac.moe_parallel_args(tp, ep, moe, prefix) + [
-        f"{p}pp-size", str(pp), f"{p}batch-size", str(max(1, -(-int(batch) // ep)))]
+        f"{p}pp-size", str(pp), f"{p}batch-size", str(max(1, -(-int(batch) // (ep * pp))))]
     if prefix:
         flags += [f"{p}num-workers", str(max(1, pool_gpus // per_worker))]
     return flags
@@ -221,7 +223,7 @@ def shardc_simulate_of_aic(case: ServeCase, aic_agg: dict, moe: bool) -> dict:
     if moe and (etp != tp or eep != dp):
         return {"error": f"not expressible in shardc's degrees: {aic_agg.get('parallel')}"}
     degrees = f"tp={tp},pp={pp}" + (f",ep={eep}" if moe and eep > 1 else "")
-    batch = aic_agg["batch"] * (dp if moe else 1)
+    batch = aic_agg["batch"] * pp * (dp if moe else 1)  # per rank per micro-batch -> replica
     with tempfile.TemporaryDirectory(prefix="shardc_sim_") as tmp:
         out = Path(tmp) / "sim.json"
         rc, so, se = ac.run_shardc("simulate", [
@@ -412,12 +414,14 @@ def markdown(rows: list[dict], versions: dict, revision: str, serve: tuple[bool,
 
 
 NOTES = [
-    "shardc reserves the KV cache of ISL + OSL tokens for every running sequence; "
-    "AIConfigurator's max batch does not, so its Llama-3-70B 8x1 TRT-LLM best (tp8 bs320) "
-    "needs 429.5 GB of KV cache in shardc's memory model and is refused there.",
-    "AIConfigurator refuses shardc's Llama-3-70B 8x1 plan (tp4 pp2, 256 sequences) as OOM, "
-    "although its per-GPU weight and KV bytes equal those of tp8 bs256, which it accepts "
-    "(its pipeline-parallel memory accounting differs from shardc's).",
+    "shardc's mixed / decode pools reserve the KV cache a paged engine holds per running "
+    "sequence (ISL + OSL/2 + a preemption margin; plan.json pools' kv_reservation); runs "
+    "before that reserved ISL + OSL, which refused AIConfigurator's Llama-3-70B 8x1 TRT-LLM "
+    "best (tp8 bs320: 429.5 GB of KV cache in that memory model).",
+    "AIConfigurator's --batch-size is per attention-DP rank per micro-batch (its concurrency "
+    "is batch-size x pp); runs before the fix passed shardc's whole replica batch, so "
+    "shardc's Llama-3-70B 8x1 plan (tp4 pp2, 256 sequences) reached it as 256 per "
+    "micro-batch and was refused as OOM -- the mapping's error, not AIConfigurator's.",
     "Its vLLM tables lack the MoE shapes of several shardc plans (moe_tp x moe_ep = 2 x 2, "
     "2 x 4 for Mixtral, 2 x 2 for Qwen3-30B-A3B), in SILICON and HYBRID mode alike.",
     "AIConfigurator prices MoE with its power-law routing tables, which at small token "
