@@ -17,7 +17,6 @@ from cost_graphs import fixture_graph  # noqa: E402
 
 # documented misses: case -> (low, high) band of the ratio, explained in docs/validation.md
 DOCUMENTED = {
-    "TRT-LLM Llama-3.1-70B TP8 128/2048": (1.2, 1.5),
     "TRT-LLM Mixtral-8x7B TP8 128/128": (1.3, 1.65),
     "TRT-LLM Mixtral-8x7B TP8 2048/2048": (1.3, 1.6),
 }
