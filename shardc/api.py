@@ -50,11 +50,18 @@ def check_backend_support(model) -> None:
 
 def check_kernels(kernels: str, engine: str) -> None:
     """InputError unless ``kernels`` / ``engine`` are known (SPEC section 10)."""
-    from shardc.cost.silicon import KERNEL_CHOICES
+    from shardc.cost.silicon import KERNEL_CHOICES, is_table_file
     from shardc.cost.silicon_tables import ENGINES
 
-    if kernels not in KERNEL_CHOICES:
-        raise InputError(f"--kernels {kernels!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    if is_table_file(kernels):
+        from pathlib import Path
+
+        if not Path(kernels).is_file():
+            raise InputError(f"--kernels {kernels!r}: no such file (write one with "
+                             "`shardc calibrate --out FILE.npz`)")
+    elif kernels not in KERNEL_CHOICES:
+        raise InputError(f"--kernels {kernels!r}: expected one of {', '.join(KERNEL_CHOICES)} "
+                         "or a calibrated table (.npz)")
     if engine not in ENGINES:
         raise InputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
 

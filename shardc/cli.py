@@ -19,7 +19,7 @@ import sys
 
 from shardc.errors import ShardcError, debugging
 
-COMMANDS = ("compile", "inspect", "simulate", "bench", "verify")
+COMMANDS = ("compile", "inspect", "simulate", "bench", "verify", "calibrate")
 
 
 MAX_MESSAGE_CHARS = 400  # a longer first line is cut (SHARDC_DEBUG=1 shows it all)

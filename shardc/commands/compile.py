@@ -83,15 +83,32 @@ def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
                    help="KV-cache format: fp8 = 1 byte per cached element")
 
 
+def _kernels_arg(choices):
+    """argparse type of ``--kernels``: a choice or an existing ``.npz`` table."""
+    import argparse
+    from pathlib import Path
+
+    def check(value: str) -> str:
+        if value in choices or (value.endswith(".npz") and Path(value).is_file()):
+            return value
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected {', '.join(choices)} or an existing calibrated table "
+            "(.npz, `shardc calibrate --out FILE.npz`)")
+
+    return check
+
+
 def add_kernel_arguments(p) -> None:
     """``--kernels`` / ``--engine`` (SPEC section 10): what prices the ops."""
     from shardc.cost.silicon import DEFAULT_ENGINE, DEFAULT_KERNELS, KERNEL_CHOICES
     from shardc.cost.silicon_tables import ENGINES
 
-    p.add_argument("--kernels", default=DEFAULT_KERNELS, choices=list(KERNEL_CHOICES),
+    p.add_argument("--kernels", default=DEFAULT_KERNELS, type=_kernels_arg(KERNEL_CHOICES),
+                   metavar="silicon|roofline|FILE.npz",
                    help="silicon: NVIDIA's measured kernel latencies where they cover the "
                         "hardware (h100, h200, b200 presets), roofline elsewhere; roofline: "
-                        "the datasheet roofline everywhere")
+                        "the datasheet roofline everywhere; FILE.npz: this machine's kernels "
+                        "measured by `shardc calibrate`")
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES),
                    help="whose measured kernels price the ops (with --kernels silicon)")
 

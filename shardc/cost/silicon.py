@@ -53,6 +53,8 @@ def kernels_for(hw, kernels: str = DEFAULT_KERNELS, engine: str = DEFAULT_ENGINE
     ``"roofline"``; ``reason`` says why the roofline ("" when silicon)."""
     from shardc.cost.hardware_presets import load_hardware, preset_names
 
+    if is_table_file(kernels):  # `shardc calibrate`'s measurements of the user's machine
+        return _calibrated(hw, kernels)
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels {kernels!r}")
     if kernels == "roofline":
@@ -70,6 +72,27 @@ def kernels_for(hw, kernels: str = DEFAULT_KERNELS, engine: str = DEFAULT_ENGINE
             _CACHE[key] = SiliconKernels(hw, engine, st.load_tables(name, engine))
         except st.TablesUnavailable as e:
             _CACHE[key] = str(e)
+    k = _CACHE[key]
+    if isinstance(k, str):
+        return None, "roofline", k
+    return k, k.source, ""
+
+
+def is_table_file(kernels: str) -> bool:
+    """``--kernels`` names a calibrated table (``shardc calibrate --out FILE.npz``)."""
+    return str(kernels).endswith(".npz")
+
+
+def _calibrated(hw, path: str):
+    """(SiliconKernels of a calibrated table, source, "") or (None, "roofline", why)."""
+    from shardc.cost.calibrate import load_calibrated
+
+    key = ("file", str(path), getattr(hw, "name", ""))
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = SiliconKernels(hw, "calibrated", load_calibrated(path))
+        except (OSError, ValueError, KeyError) as e:
+            _CACHE[key] = f"--kernels {path}: {e}"
     k = _CACHE[key]
     if isinstance(k, str):
         return None, "roofline", k
@@ -141,7 +164,8 @@ class SiliconKernels:
 
     def __init__(self, hw, engine: str, tables: dict):
         self.hw, self.engine, self.t = hw, engine, tables
-        self.system = st.SYSTEMS[hw.name]
+        self.system = (str(tables["system"]) if "system" in tables
+                       else st.SYSTEMS[hw.name])
         self.versions = dict(str(v).split("=", 1) for v in tables.get("versions", []))
         gemm_ver = self.versions.get("gemm", f"{engine}/?").split("/", 1)[1].split("+")[0]
         self.source = f"silicon:{engine}-{gemm_ver}:{self.system}"
