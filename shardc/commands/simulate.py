@@ -115,6 +115,12 @@ def report(ex) -> str:
         ["feasible", "yes" if ex.feasible else f"no: {ex.reason}"],
         ["kernels", str(p.get("kernel_source") or "-")],
     ]
+    sched = bd.get("scheduler")
+    if sched:  # the aggregated pool (shardc.cost.scheduler): what the engine is told
+        summary.insert(3, ["scheduler: token budget / prompt chunk / mixed steps",
+                           f"{sched['max_batched_tokens']} / {sched['prefill_chunk_tokens']:g} "
+                           f"tokens / {100 * sched['mixed_step_fraction']:.1f}%; stage ms = "
+                           "the mixed step"])
     out.append(tabulate(summary, tablefmt="simple"))
     return "\n".join(out)
 
