@@ -430,11 +430,20 @@ class CostModel:
         isl = float(self.workload.prompt)
         budgets = scheduler.row_budgets(seqs, demand, budgets)  # [B, K]
         chunk = scheduler.prefill_chunks(seqs, demand, isl, budgets)
-        r = self._simulate(np.tile(a, (K + 1, 1)), space,
-                           chunk=np.concatenate([np.zeros(B), chunk.T.reshape(-1)]))
-        step = r["ev"].tpot_ms.reshape(K + 1, B)  # ms, pp ticks of one micro-batch
-        tpot, ttft, _ = scheduler.schedule(step[0], step[1:].T, chunk, demand, isl)
-        hard = r["hard"].reshape(K + 1, B)[1:].T
+        # the decode step (chunk 0) and each candidate's mixed step, simulating each distinct
+        # (row, chunk) once: chunks are non-decreasing over the sorted budgets
+        C = np.concatenate([np.zeros((B, 1)), chunk], axis=1)  # [B, K + 1]
+        new = np.ones(C.shape, dtype=bool)
+        new[:, 1:] = C[:, 1:] != C[:, :-1]
+        ri, cj = np.nonzero(new)
+        r = self._simulate(a[ri], space, chunk=C[ri, cj])
+        pos = np.zeros(C.shape, dtype=np.int64)
+        pos[ri, cj] = np.arange(len(ri))
+        src = np.maximum.accumulate(np.where(new, np.arange(K + 1)[None, :], 0), axis=1)
+        idx = pos[np.arange(B)[:, None], src]  # [B, K + 1] row of the simulated batch
+        step = r["ev"].tpot_ms[idx]  # ms, pp ticks of one micro-batch
+        tpot, ttft, _ = scheduler.schedule(step[:, 0], step[:, 1:], chunk, demand, isl)
+        hard = r["hard"][idx][:, 1:]
         with np.errstate(divide="ignore", invalid="ignore"):
             value = np.where(deg["dp"][:, None] > 0,
                              bf[:, None] / (tpot / 1e3) / gpus[:, None], 0.0)
@@ -444,7 +453,7 @@ class CostModel:
         tp_, tt_, hd, c = (x[rows, k] for x in (tpot, ttft, hard, chunk))
         reason = np.where(hd != OK, hd, np.where(tp_ > wl.tpot_slo_ms, TPOT_SLO,
                                                  np.where(tt_ > wl.ttft_slo_ms, TTFT_SLO, OK)))
-        mem = r["ev"].memory_gb_per_gpu.reshape(K + 1, B)[1:].T
+        mem = r["ev"].memory_gb_per_gpu[idx][:, 1:]
         ev = Evaluation(tok_s_per_gpu=value[rows, k], tpot_ms=tp_, ttft_ms=tt_,
                         memory_gb_per_gpu=mem[rows, k], feasible=reason == OK, reason=reason,
                         token_budget=budgets[rows, k], prefill_chunk=c,
