@@ -413,55 +413,11 @@ class CostModel:
 
     def _scheduled(self, actions: np.ndarray, space: StrategySpace,
                    detail: bool = False) -> dict:
-        """The aggregated pool under the scheduler's token budget (:mod:`shardc.cost.scheduler`):
-        every row at the pure-decode step and at each budget candidate's mixed step (one
-        vectorised pass), each row running its best budget; ``detail``: the returned step
-        (ops, stages) is the chosen budget's mixed step."""
-        from shardc.cost import scheduler
+        """The aggregated pool under the scheduler's token budget
+        (:func:`shardc.cost.scheduler.evaluate_scheduled`)."""
+        from shardc.cost.scheduler import evaluate_scheduled
 
-        a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
-        B, budgets = a.shape[0], self.token_budgets
-        K = len(budgets)
-        deg = space.degree_arrays(a)
-        bf = deg["batch"].astype(np.float64)
-        gpus = (deg["tp"] * deg["ep"] * deg["pp"]).astype(np.float64)
-        seqs = bf / deg["pp"] / deg["ep"]
-        demand = seqs * self.mixed_prefill
-        isl = float(self.workload.prompt)
-        budgets = scheduler.row_budgets(seqs, demand, budgets)  # [B, K]
-        chunk = scheduler.prefill_chunks(seqs, demand, isl, budgets)
-        # the decode step (chunk 0) and each candidate's mixed step, simulating each distinct
-        # (row, chunk) once: chunks are non-decreasing over the sorted budgets
-        C = np.concatenate([np.zeros((B, 1)), chunk], axis=1)  # [B, K + 1]
-        new = np.ones(C.shape, dtype=bool)
-        new[:, 1:] = C[:, 1:] != C[:, :-1]
-        ri, cj = np.nonzero(new)
-        r = self._simulate(a[ri], space, chunk=C[ri, cj])
-        pos = np.zeros(C.shape, dtype=np.int64)
-        pos[ri, cj] = np.arange(len(ri))
-        src = np.maximum.accumulate(np.where(new, np.arange(K + 1)[None, :], 0), axis=1)
-        idx = pos[np.arange(B)[:, None], src]  # [B, K + 1] row of the simulated batch
-        step = r["ev"].tpot_ms[idx]  # ms, pp ticks of one micro-batch
-        tpot, ttft, _ = scheduler.schedule(step[:, 0], step[:, 1:], chunk, demand, isl)
-        hard = r["hard"][idx][:, 1:]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            value = np.where(deg["dp"][:, None] > 0,
-                             bf[:, None] / (tpot / 1e3) / gpus[:, None], 0.0)
-        wl = self.workload
-        k = scheduler.choose(value, tpot, ttft, hard == OK, wl.tpot_slo_ms, wl.ttft_slo_ms)
-        rows = np.arange(B)
-        tp_, tt_, hd, c = (x[rows, k] for x in (tpot, ttft, hard, chunk))
-        reason = np.where(hd != OK, hd, np.where(tp_ > wl.tpot_slo_ms, TPOT_SLO,
-                                                 np.where(tt_ > wl.ttft_slo_ms, TTFT_SLO, OK)))
-        mem = r["ev"].memory_gb_per_gpu[idx][:, 1:]
-        ev = Evaluation(tok_s_per_gpu=value[rows, k], tpot_ms=tp_, ttft_ms=tt_,
-                        memory_gb_per_gpu=mem[rows, k], feasible=reason == OK, reason=reason,
-                        token_budget=budgets[rows, k], prefill_chunk=c,
-                        mixed_fraction=np.minimum(demand / np.where(c > 0, c, np.inf), 1.0))
-        if detail:
-            r = self._simulate(a, space, detail=True, chunk=c)
-        r["ev"] = ev
-        return r
+        return evaluate_scheduled(self, actions, space, detail)
 
     def reason_text(self, code: int) -> str:
         return reason_text(code)

@@ -95,6 +95,60 @@ def choose(value, tpot, ttft, fits, tpot_slo: float, ttft_slo: float) -> np.ndar
     return np.where(meets.any(axis=1), best, np.where(fits.any(axis=1), near_fit, near))
 
 
+def evaluate_scheduled(cm, actions, space, detail: bool = False) -> dict:
+    """:meth:`CostModel.evaluate` of the aggregated pool ``cm`` (its ``token_budgets``) under
+    the scheduler: every row at the pure-decode step and at each budget candidate's mixed
+    step (one vectorised pass), each row running its best budget (:func:`choose`). Returns
+    the simulator's dict with ``ev`` the :class:`~shardc.cost.model.Evaluation` (token budget,
+    prompt chunk and mixed fraction filled); ``detail``: the step returned (ops, stages) is
+    the chosen budget's mixed step."""
+    from shardc.cost.model import OK, TPOT_SLO, TTFT_SLO, Evaluation
+
+    a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
+    B, budgets = a.shape[0], cm.token_budgets
+    K = len(budgets)
+    deg = space.degree_arrays(a)
+    bf = deg["batch"].astype(np.float64)
+    gpus = (deg["tp"] * deg["ep"] * deg["pp"]).astype(np.float64)
+    seqs = bf / deg["pp"] / deg["ep"]
+    demand = seqs * cm.mixed_prefill
+    isl = float(cm.workload.prompt)
+    budgets = row_budgets(seqs, demand, budgets)  # [B, K]
+    chunk = prefill_chunks(seqs, demand, isl, budgets)
+    # the decode step (chunk 0) and each candidate's mixed step, simulating each distinct
+    # (row, chunk) once: chunks are non-decreasing over the sorted budgets
+    C = np.concatenate([np.zeros((B, 1)), chunk], axis=1)  # [B, K + 1]
+    new = np.ones(C.shape, dtype=bool)
+    new[:, 1:] = C[:, 1:] != C[:, :-1]
+    ri, cj = np.nonzero(new)
+    r = cm._simulate(a[ri], space, chunk=C[ri, cj])
+    pos = np.zeros(C.shape, dtype=np.int64)
+    pos[ri, cj] = np.arange(len(ri))
+    src = np.maximum.accumulate(np.where(new, np.arange(K + 1)[None, :], 0), axis=1)
+    idx = pos[np.arange(B)[:, None], src]  # [B, K + 1] row of the simulated batch
+    step = r["ev"].tpot_ms[idx]  # ms, pp ticks of one micro-batch
+    tpot, ttft, _ = schedule(step[:, 0], step[:, 1:], chunk, demand, isl)
+    hard = r["hard"][idx][:, 1:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = np.where(deg["dp"][:, None] > 0,
+                         bf[:, None] / (tpot / 1e3) / gpus[:, None], 0.0)
+    wl = cm.workload
+    k = choose(value, tpot, ttft, hard == OK, wl.tpot_slo_ms, wl.ttft_slo_ms)
+    rows = np.arange(B)
+    tp_, tt_, hd, c = (x[rows, k] for x in (tpot, ttft, hard, chunk))
+    reason = np.where(hd != OK, hd, np.where(tp_ > wl.tpot_slo_ms, TPOT_SLO,
+                                             np.where(tt_ > wl.ttft_slo_ms, TTFT_SLO, OK)))
+    mem = r["ev"].memory_gb_per_gpu[idx][:, 1:]
+    ev = Evaluation(tok_s_per_gpu=value[rows, k], tpot_ms=tp_, ttft_ms=tt_,
+                    memory_gb_per_gpu=mem[rows, k], feasible=reason == OK, reason=reason,
+                    token_budget=budgets[rows, k], prefill_chunk=c,
+                    mixed_fraction=np.minimum(demand / np.where(c > 0, c, np.inf), 1.0))
+    if detail:
+        r = cm._simulate(a, space, detail=True, chunk=c)
+    r["ev"] = ev
+    return r
+
+
 # ------------------------------------------------------------------ KV cache occupancy
 # How a pool reserves KV cache per running sequence (plan.json pools' ``kv_reservation``):
 # ``paged``: what a paged engine holds (module :func:`paged_kv_tokens`); ``full``: the
