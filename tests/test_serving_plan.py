@@ -173,6 +173,8 @@ def test_serve_pools_record_the_scheduler_and_kv_reservation(plans):
     assert sched["max_batched_tokens"] in TOKEN_BUDGETS or \
         sched["max_batched_tokens"] >= TOKEN_BUDGETS[-1]
     assert seqs + sched["prefill_chunk_tokens"] <= sched["max_batched_tokens"] + 1e-9
+    assert sched["prefill_budget_tokens"] == sched["max_batched_tokens"] - int(seqs)
+    assert sched["prefill_chunk_tokens"] <= sched["prefill_budget_tokens"]
     assert 0 < sched["mixed_step_fraction"] <= 1
     for plan in plans.values():
         for pool in plan.serving["pools"]:

@@ -158,7 +158,8 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
         {"op": r["op"] if r["layer_kind"] == "global" else f"{r['layer_kind']}.{r['op']}",
          "time_ms": r["time_ms"], "kernel_source": r["kernel_source"]} for r in ex.ops]
     if ev.token_budget is not None:  # shardc.cost.scheduler: what the engine is told
-        breakdown["scheduler"] = scheduler_entry(ev, 0, cm.workload.prompt)
+        breakdown["scheduler"] = scheduler_entry(
+            ev, 0, cm.workload.prompt, strategy.batch / (deg.pp * deg.ep))
     ex.predicted = dict(tok_s_per_gpu=_finite_or_none(float(ev.tok_s_per_gpu[0])),
                         tpot_ms=_finite_or_none(float(ev.tpot_ms[0])),
                         ttft_ms=_finite_or_none(float(ev.ttft_ms[0])),
@@ -168,12 +169,17 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     return ex
 
 
-def scheduler_entry(ev, i: int, isl: int) -> dict:
+def scheduler_entry(ev, i: int, isl: int, decode_seqs: float) -> dict:
     """The aggregated pool's scheduler at row ``i`` of an Evaluation: ``max_batched_tokens``
-    (tokens per scheduler step: vLLM ``--max-num-batched-tokens``), ``prefill_chunk_tokens``
-    (prompt tokens a mixed step carries), ``mixed_step_fraction`` and the prompt's steps."""
+    (tokens per scheduler step, decode + prompt: vLLM ``--max-num-batched-tokens``),
+    ``prefill_budget_tokens`` (its prompt part after the ``decode_seqs`` decode tokens of a
+    micro-batch: SGLang ``--chunked-prefill-size``), ``prefill_chunk_tokens`` (prompt tokens a
+    mixed step carries), ``mixed_step_fraction`` and the prompt's steps."""
     c = float(ev.prefill_chunk[i])
-    return {"max_batched_tokens": int(ev.token_budget[i]), "prefill_chunk_tokens": round(c, 3),
+    budget = int(ev.token_budget[i])
+    return {"max_batched_tokens": budget,
+            "prefill_budget_tokens": max(int(budget - math.ceil(decode_seqs - 1e-9)), 0),
+            "prefill_chunk_tokens": round(c, 3),
             "mixed_step_fraction": float(ev.mixed_fraction[i]),
             "prompt_steps": int(math.ceil(isl / c - 1e-9)) if c > 0 else None}
 
