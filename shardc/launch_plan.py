@@ -126,7 +126,9 @@ def serve_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload, fixed,
             return _entry(engine, [], None, plan_value, False, str(e), {"policy": "exact"})
         search = {"policy": "exact", "complete": all(
             p.results["exact"].complete for p in out.pools.values())}
-        same = out.choice.describe() == outcome.choice.describe()
+        same = len(out.choice.pools) == len(outcome.choice.pools) and all(
+            r1 == r2 and w1 == w2 and _same(s1, s2) for (r1, w1, s1, _), (r2, w2, s2, _)
+            in zip(out.choice.pools, outcome.choice.pools))
     pools = []
     for role, workers, strategy, _row in out.choice.pools:
         s = replace(strategy, degrees=replace(strategy.degrees, dp=int(workers)))
