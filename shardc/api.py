@@ -64,7 +64,7 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
             seed: int = 0, progress=None, name: str | None = None,
             degrees: str | dict | None = None, kernels: str = "silicon",
             engine: str | None = None, allow_cross_node_tp: bool = False,
-            runtime: str = "dtensor", hf_id: str | None = None):
+            runtime: str = "dtensor", hf_id: str | None = None, launch: bool = True):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
 
     ``runtime``: ``"dtensor"`` (default: the whole strategy space; ``parallelize.py`` is the
@@ -74,7 +74,7 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
     the runtime's engine, else vLLM's; naming another engine than the runtime is an error.
     ``hf_id``: the model id the launch scripts serve (a hub id or a path; default: the
     config's ``_name_or_path``). plan.json ``launch`` holds each engine's best configuration
-    (:mod:`shardc.launch_plan`).
+    (:mod:`shardc.launch_plan`; ``launch=False`` skips those searches).
 
     ``kernels``: ``"silicon"`` (NVIDIA's measured kernel latencies where they cover the
     hardware, roofline elsewhere) or ``"roofline"``; ``engine``: whose kernels (``vllm``,
@@ -88,7 +88,7 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
                                 budget, seed, progress, name, degrees=degrees, kernels=kernels,
                                 engine=engine, allow_cross_node_tp=allow_cross_node_tp,
-                                runtime=runtime, hf_id=hf_id)[0]
+                                runtime=runtime, hf_id=hf_id, launch=launch)[0]
 
 
 def _baseline_entry(space, result) -> dict:

@@ -85,6 +85,7 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
             raise InfeasibleError(runtime_infeasible(runtime, engine_result, graph, mesh,
                                                      cost_model, workload, space))
         result = engine_result.result
+        result.evaluations = engine_result.evaluations  # every mode's, not only the best's
     elif policy in baselines:
         result = baselines[policy]
     else:
