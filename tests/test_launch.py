@@ -31,7 +31,6 @@ from shardc.errors import InputError
 from shardc.ir.engines import ENGINES, mode_spaces, strategy_mode
 from shardc.ir.space import StrategySpace
 from shardc.ir.strategy import Mesh, Workload
-from shardc.search import run_search
 from shardc.search.engine_search import search_engine
 from shardc.search.legal import LegalSampler
 from shardc.search.objective import cost_model_objective
@@ -305,3 +304,36 @@ def test_runtime_flags_are_checked():
     r = run_cli("simulate", "examples/tiny_mixtral.py", "--mesh", "8x1", "--degrees",
                 "tp=2,ep=4", "--runtime", "vllm")
     assert r.returncode == 2 and "vLLM cannot run tp=2 ep=4" in r.stderr
+
+
+def test_compile_with_an_engine_runtime_plans_in_its_space(tmp_path):
+    from shardc.plan import load_plan
+
+    out = tmp_path / "o"
+    r = run_cli("compile", "examples/tiny_mixtral.py", "--mesh", "8x1", "--runtime", "vllm",
+                "--search", "exact", "--quiet", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(out / "plan.json")
+    assert plan.search["runtime"] == "vllm" and "exact_tok_s_per_gpu" in plan.search
+    assert plan.predicted["kernel_source"].startswith(("silicon:vllm", "roofline"))
+    d = plan.degrees
+    assert d["tp"] == 1 or d["ep"] == 1
+    v = plan.launch["vllm"]
+    assert v["same_as_plan"] and v["gap_vs_plan"] == 0.0
+    assert v["pools"][0]["degrees"] == {k: d[k] for k in v["pools"][0]["degrees"]}
+    assert "vLLM can run:" in r.stdout and "the plan itself" in r.stdout
+    # simulate with the runtime prices the engine's own layout at the given degrees
+    r = run_cli("simulate", "examples/tiny_mixtral.py", "--mesh", "8x1", "--degrees",
+                f"tp={d['tp']},ep={d['ep']},pp={d['pp']}", "--batch", str(plan.workload["batch"]),
+                "--runtime", "vllm", "--json", str(tmp_path / "s.json"))
+    assert r.returncode == 0, r.stderr
+    sim = json.loads((tmp_path / "s.json").read_text())
+    assert sim["predicted"]["tok_s_per_gpu"] == pytest.approx(plan.predicted["tok_s_per_gpu"])
+
+
+def test_the_api_checks_the_runtime():
+    import shardc
+
+    for bad in ("tgi", ["vllm"], None):
+        with pytest.raises(InputError):
+            shardc.compile("examples/tiny_llama.py", mesh="4x1", runtime=bad)
