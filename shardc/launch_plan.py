@@ -55,8 +55,9 @@ def _entry(engine: str, pools: list[LaunchPool], predicted: dict | None, plan_va
            "gap_vs_plan": gap, "reason": reason, "search": search}
     if pools and not scripts:
         out["note"] = (f"no script: shardc writes vLLM and SGLang scripts; {ENGINE_NAMES[engine]}"
-                       "'s degrees are its tp_size = tp x ep, ep_size = ep, attention data "
-                       "parallel when mode is dp-attention")
+                       "'s degrees are its tp_size = tp x ep, ep_size = ep; attention data "
+                       "parallel (enable_attention_dp) when mode is dp-attention or when "
+                       "tp = 1 with ep > 1")
     return out
 
 
