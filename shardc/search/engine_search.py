@@ -46,7 +46,7 @@ def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int
                   **options) -> EngineSearch | None:
     """Search ``engine``'s modes of ``space`` with ``policy``; None when the engine expresses
     nothing here. ``objective_for(mode_space)`` gives each mode's objective (default: the
-    ``cost_model``'s, which lets ``exact`` decompose by branch)."""
+    ``cost_model``'s); ``exact`` is :func:`exact_sweep`."""
     modes = mode_spaces(space, engine)
     if not modes:
         return None
