@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardc.backends.launch import (
-    SCRIPT_ENGINES,
     LaunchPool,
     engine_flag_table,
+    no_script_reason,
     pool_entry,
     role_for_phase,
     script_name,
@@ -43,21 +43,22 @@ def _same(a, b) -> bool:
 
 
 def _entry(engine: str, pools: list[LaunchPool], predicted: dict | None, plan_value,
-           same: bool, reason: str | None, search: dict) -> dict:
-    scripts = engine in SCRIPT_ENGINES
+           same: bool, reason: str | None, search: dict, gpus_per_node: int = 8) -> dict:
     value = (predicted or {}).get("tok_s_per_gpu")
     gap = (float(value) / float(plan_value) - 1.0) if value and plan_value else None
+    rows, notes = [], []
+    for p in pools:
+        why = no_script_reason(engine, p, gpus_per_node)
+        rows.append(pool_entry(engine, p, None if why else
+                               f"launch/{script_name(engine, p.role)}"))
+        if why:
+            notes.append(f"{p.role}: {why}")
     out = {"engine": ENGINE_NAMES[engine],
-           "checked_against": engine_flag_table()[engine]["checked_against"] if scripts else None,
-           "pools": [pool_entry(engine, p, f"launch/{script_name(engine, p.role)}" if scripts
-                                else None) for p in pools],
-           "predicted": predicted, "same_as_plan": bool(same and pools),
+           "checked_against": engine_flag_table()[engine]["checked_against"],
+           "pools": rows, "predicted": predicted, "same_as_plan": bool(same and pools),
            "gap_vs_plan": gap, "reason": reason, "search": search}
-    if pools and not scripts:
-        out["note"] = (f"no script: shardc writes vLLM and SGLang scripts; {ENGINE_NAMES[engine]}"
-                       "'s degrees are its tp_size = tp x ep, ep_size = ep; attention data "
-                       "parallel (enable_attention_dp) when mode is dp-attention or when "
-                       "tp = 1 with ep > 1")
+    if notes:
+        out["note"] = "no script for " + "; ".join(notes)
     return out
 
 
@@ -82,7 +83,8 @@ def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload,
         pool = LaunchPool.of(role, s, space, length, mem, **fmt)
         return _entry(engine, [pool], _numbers(plan.predicted or {}), plan_value, True, None,
                       {"policy": plan.search.get("policy"), "complete": True,
-                       "evaluations": int(plan.search.get("evaluations") or 0)})
+                       "evaluations": int(plan.search.get("evaluations") or 0)},
+                      mesh.gpus_per_node)
     cm = (outcome.cost_model if outcome.cost_model.kernel_options["engine"] == engine
           else CostModel(graph, mesh, hw, workload, kernels=kernels, engine=engine))
     found = search_engine("exact", space, engine, cost_model=cm,
@@ -102,7 +104,7 @@ def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload,
     pred = cm.simulate(s).predicted
     pool = LaunchPool.of(role, s, space, length, mem, **fmt)
     return _entry(engine, [pool], _numbers(pred), plan_value, _same(s, outcome.strategy),
-                  None, search)
+                  None, search, mesh.gpus_per_node)
 
 
 def serve_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload, fixed, kernels,
@@ -135,7 +137,8 @@ def serve_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload, fixed,
         s = replace(strategy, degrees=replace(strategy.degrees, dp=int(workers)))
         pools.append(LaunchPool.of(role, s, out.pools[role].space, length, mem, **fmt))
     pred = out.choice.predicted()
-    return _entry(engine, pools, _numbers(pred), plan_value, same, None, search)
+    return _entry(engine, pools, _numbers(pred), plan_value, same, None, search,
+                  mesh.gpus_per_node)
 
 
 def attach_launch(plan, outcome, *, graph, mesh, hw, workload, fixed, kernels, runtime,

@@ -22,6 +22,7 @@ from shardc.backends.launch import (
     engine_flag_table,
     engine_flags,
     gpus_per_instance,
+    no_script_reason,
     pool_entry,
     render_script,
     role_for_phase,
@@ -61,11 +62,13 @@ def flags_of(text: str) -> list[str]:
 def script_gpus(engine: str, text: str) -> int:
     """GPUs of a script's pool by the engine's own arithmetic of its flags."""
     cmd = text.split("exec ", 1)[1]
-    f = dict(re.findall(r"(--[a-z-]+) (\d+)", cmd))
+    f = dict(re.findall(r"(--[a-z_-]+) (\d+)", cmd))
     workers = int(re.search(r"^WORKERS=(\d+)$", text, re.M).group(1))
     if engine == "vllm":
         return (workers * int(f["--tensor-parallel-size"]) * int(f["--pipeline-parallel-size"])
                 * int(f.get("--data-parallel-size", 1)))
+    if engine == "trtllm":
+        return workers * int(f["--tp_size"]) * int(f["--pp_size"])
     return workers * int(f["--tp-size"]) * int(f["--pp-size"])
 
 
@@ -125,12 +128,17 @@ def test_the_engines_exact_search_is_the_best_of_its_space(engine):
 @needs_bash
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_scripts_of_the_engines_best_parse_and_use_only_their_flags(case, tmp_path):
-    for engine in ("vllm", "sglang"):
+    for engine in ENGINES:
         space, cm = problem(*case, engine=engine)
         found = search_engine("exact", space, engine, cost_model=cm)
         s = space.decode(found.result.best_action)
         role = role_for_phase(case[2]) if case[2] != "decode" else "decode"
+        if engine == "trtllm":  # TensorRT-LLM scripts: one aggregated pool
+            role = "mixed"
         pool = LaunchPool.of(role, s, space, 4096, 0.9)
+        if no_script_reason(engine, pool, space.mesh.gpus_per_node):
+            assert engine == "trtllm" and pool.strategy.degrees.replica_gpus > 8
+            continue
         text = script_for(engine, pool)
         path = tmp_path / f"{engine}.sh"
         path.write_text(text)
@@ -139,13 +147,14 @@ def test_scripts_of_the_engines_best_parse_and_use_only_their_flags(case, tmp_pa
         known = set(engine_flag_table()[engine]["flags"])
         assert set(flags_of(text)) <= known, set(flags_of(text)) - known
         assert engine_flag_table()[engine]["checked_against"] in text
-        assert (f"--disaggregation-mode {role}" in text if engine == "sglang"
-                else "--kv-transfer-config" in text)
+        if engine != "trtllm":
+            assert (f"--disaggregation-mode {role}" in text if engine == "sglang"
+                    else "--kv-transfer-config" in text)
 
 
 def test_every_flag_engine_flags_can_write_is_in_the_checked_lists():
     space, _ = problem("deepseek_v3", "8x4", "decode")
-    seen = {"vllm": set(), "sglang": set()}
+    seen = {"vllm": set(), "sglang": set(), "trtllm": set()}
     rng = np.random.default_rng(2)
     for engine in seen:
         for _mode, ms in mode_spaces(space, engine):
@@ -204,10 +213,10 @@ def test_a_hostile_model_id_stays_one_argument_and_a_flag_like_one_is_refused(tm
     s = space.decode(search_engine("exact", space, "vllm", cost_model=cm).result.best_action)
     stub = tmp_path / "bin"
     stub.mkdir()
-    for exe in ("vllm", "python"):  # record the argv instead of starting an engine
+    for exe in ("vllm", "python", "trtllm-serve"):  # record the argv, start no engine
         (stub / exe).write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
         (stub / exe).chmod(0o755)
-    for engine, flag in (("vllm", "--model="), ("sglang", "--model-path=")):
+    for engine, flag in (("vllm", "--model="), ("sglang", "--model-path="), ("trtllm", "")):
         text = script_for(engine, LaunchPool.of("mixed", s, space, 4096, 0.9), hostile)
         path = tmp_path / f"{engine}.sh"
         path.write_text(text)
@@ -217,7 +226,10 @@ def test_a_hostile_model_id_stays_one_argument_and_a_flag_like_one_is_refused(tm
         r = subprocess.run([BASH, str(path), "0"], cwd=tmp_path, env=env, capture_output=True,
                            text=True)
         assert r.returncode == 0, r.stderr
-        assert flag + hostile in (tmp_path / "argv").read_text().split("\n")
+        argv = (tmp_path / "argv").read_text().split("\n")
+        assert flag + hostile in argv
+        if engine == "trtllm":  # a positional after "--": never read as an option
+            assert argv[argv.index(hostile) - 1] == "--"
         assert not list(tmp_path.glob("PWNED*"))
         for bad_env in ({"SHARDC_MODEL": "--trust-remote-code"}, ):
             r = subprocess.run([BASH, str(path), "0"], cwd=tmp_path, env={**env, **bad_env},
@@ -267,6 +279,9 @@ def test_the_refresh_tool_reads_flags_from_argument_definitions(tmp_path):
            'class FrontendArgs:\n    port: int = 8000\n    ssl_keyfile: str = ""\n')
     assert tool.add_argument_flags(src) == {"--tp-size", "--tensor-parallel-size", "--only"}
     assert tool.dataclass_field_flags(src, "FrontendArgs") == {"--port", "--ssl-keyfile"}
+    click_src = ('@click.command("serve")\n@click.argument("model")\n'
+                 '@click.option("--tp_size", type=int)\ndef serve(model, tp_size): pass\n')
+    assert tool.click_option_flags(click_src) == {"--tp_size"}
 
 
 def run_cli(*args):
@@ -337,3 +352,33 @@ def test_the_api_checks_the_runtime():
     for bad in ("tgi", ["vllm"], None):
         with pytest.raises(InputError):
             shardc.compile("examples/tiny_llama.py", mesh="4x1", runtime=bad)
+
+
+
+@needs_bash
+def test_tensorrt_llm_attention_dp_goes_through_its_llm_api_options(tmp_path):
+    space, cm = problem("mixtral_8x7b", "8x1", "decode", tp=1, ep=8)
+    s = space.decode(search_engine("exact", space, "trtllm", cost_model=cm).result.best_action)
+    pool = LaunchPool.of("mixed", s, space, 4096, 0.9)
+    entry = pool_entry("trtllm", pool, "launch/trtllm_mixed.sh")
+    assert entry["llm_api_options"] == {"enable_attention_dp": True}
+    f = entry["flags"]
+    assert f[f.index("--tp_size") + 1] == "8" and f[f.index("--ep_size") + 1] == "8"
+    assert f[f.index("--max_batch_size") + 1] == str(s.batch // 8)  # per attention-DP rank
+    text = render_script("trtllm", entry, {}, "org/m", 8)
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "trtllm-serve").write_text(
+        '#!/usr/bin/env bash\nwhile [ "$#" -gt 0 ]; do if [ "$1" = --extra_llm_api_options ]; '
+        'then cat "$2" > "$OUT"; fi; shift; done\n')
+    (stub / "trtllm-serve").chmod(0o755)
+    path = tmp_path / "t.sh"
+    path.write_text(text)
+    env = dict(os.environ, PATH=f"{stub}{os.pathsep}{os.environ['PATH']}",
+               OUT=str(tmp_path / "yaml"))
+    assert subprocess.run([BASH, str(path), "0"], env=env).returncode == 0
+    assert (tmp_path / "yaml").read_text() == "enable_attention_dp: true\n"
+    # FP8 and disaggregated pools: configuration in plan.json, no TensorRT-LLM script
+    assert no_script_reason("trtllm", LaunchPool.of("decode", s, space, 4096, 0.9), 8)
+    assert no_script_reason("trtllm", LaunchPool.of("mixed", s, space, 4096, 0.9, "fp8"), 8)
+    assert no_script_reason("trtllm", pool, 8) is None

@@ -17,6 +17,7 @@ from shardc.backends.launch import (
     SCRIPT_ENGINES,
     LaunchPool,
     engine_flag_table,
+    no_script_reason,
     pool_entry,
     render_script,
     role_for_phase,
@@ -42,7 +43,7 @@ def fixture_for(model: str):
 
 
 def check_script(engine: str, pool: LaunchPool, tmp_path: Path, gpus_per_node: int) -> None:
-    if engine not in SCRIPT_ENGINES:
+    if engine not in SCRIPT_ENGINES or no_script_reason(engine, pool, gpus_per_node):
         return
     entry = pool_entry(engine, pool, f"launch/{engine}_{pool.role}.sh")
     assert set(f for f in entry["flags"] if f.startswith("--")) <= set(

@@ -1,7 +1,7 @@
 """Rewrite shardc/backends/engine_flags.json from the engines' own argument definitions.
 
     python tools/refresh_engine_flags.py --vllm ~/src/vllm --sglang ~/src/sglang \
-        --vllm-label "vLLM v0.11.1" --sglang-label "SGLang v0.5.5"
+        --trtllm ~/src/TensorRT-LLM --vllm-label "vLLM v0.11.1" --sglang-label "SGLang v0.5.5"
 
 Reads, from source checkouts (nothing is imported or run):
 
@@ -10,7 +10,8 @@ Reads, from source checkouts (nothing is imported or run):
   ``add_argument`` calls of ``make_arg_parser`` and one ``--field-name`` per field of the
   ``FrontendArgs`` dataclass, which vLLM turns into flags);
 * SGLang: ``python/sglang/srt/server_args.py`` (every ``add_argument`` of
-  ``ServerArgs.add_cli_args``).
+  ``ServerArgs.add_cli_args``);
+* TensorRT-LLM: ``tensorrt_llm/commands/serve.py`` (every ``click.option`` of the commands).
 
 Every string literal starting with ``--`` among an ``add_argument`` call's positional
 arguments is a flag (aliases included). shardc's tests then check every flag a launch
@@ -40,6 +41,17 @@ def add_argument_flags(source: str) -> set[str]:
     return out
 
 
+def click_option_flags(source: str) -> set[str]:
+    """Flags of every ``click.option("--x", ...)`` decorator in ``source``."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "option"):
+            out |= {a.value for a in node.args if isinstance(a, ast.Constant)
+                    and isinstance(a.value, str) and a.value.startswith("--")}
+    return out
+
+
 def dataclass_field_flags(source: str, class_name: str) -> set[str]:
     """``--field-name`` for every annotated field of class ``class_name`` in ``source``."""
     for node in ast.walk(ast.parse(source)):
@@ -60,17 +72,24 @@ def sglang_flags(root: Path) -> set[str]:
     return add_argument_flags((root / "python" / "sglang" / "srt" / "server_args.py").read_text())
 
 
+def trtllm_flags(root: Path) -> set[str]:
+    return click_option_flags((root / "tensorrt_llm" / "commands" / "serve.py").read_text())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm", type=Path, help="vLLM source checkout")
     p.add_argument("--sglang", type=Path, help="SGLang source checkout")
+    p.add_argument("--trtllm", type=Path, help="TensorRT-LLM source checkout")
+    p.add_argument("--trtllm-label", default=None, help="version named in the scripts' header")
     p.add_argument("--vllm-label", default=None, help="version named in the scripts' header")
     p.add_argument("--sglang-label", default=None, help="version named in the scripts' header")
     p.add_argument("--out", type=Path, default=FLAGS_FILE)
     a = p.parse_args(argv)
     data = json.loads(a.out.read_text())
     for engine, root, label, read in (("vllm", a.vllm, a.vllm_label, vllm_flags),
-                                      ("sglang", a.sglang, a.sglang_label, sglang_flags)):
+                                      ("sglang", a.sglang, a.sglang_label, sglang_flags),
+                                      ("trtllm", a.trtllm, a.trtllm_label, trtllm_flags)):
         if root is None:
             continue
         data[engine]["flags"] = sorted(read(root))

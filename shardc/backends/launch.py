@@ -1,6 +1,6 @@
 """Launch settings for the engines people run: plan.json ``launch`` pools and
-``launch/vllm_<role>.sh`` / ``launch/sglang_<role>.sh`` (SPEC section 11; docs/deploy.md maps
-every degree to each engine's flag).
+``launch/vllm_<role>.sh`` / ``launch/sglang_<role>.sh`` / ``launch/trtllm_mixed.sh`` (SPEC
+section 11; docs/deploy.md maps every degree to each engine's flag).
 
 The configuration of each engine is found by the search in the space that engine expresses
 (:mod:`shardc.ir.engines`, :mod:`shardc.launch_plan`), never by rounding the plan; this
@@ -16,7 +16,7 @@ once per worker. When several workers share a node the script sets
 Nothing from input becomes code or a flag: the model id is validated
 (:func:`check_model_id`: a hub id or a path, never starting with ``-``), quoted, and passed
 as ``--model=<id>`` / ``--model-path=<id>`` (one argv token the engines' argparse reads as
-the option's value); every number is validated (:class:`LaunchPool`); every flag written is
+the option's value; TensorRT-LLM's click positional after ``--``); every number is validated (:class:`LaunchPool`); every flag written is
 one of the engine's own (:data:`ENGINE_FLAGS`, read from its argument definitions).
 """
 
@@ -38,9 +38,9 @@ from shardc.ir.strategy import Strategy
 from shardc.text import one_line
 from shardc.validate import MAX_TOKENS, check_number
 
-SCRIPT_ENGINES = ("vllm", "sglang")  # engines shardc writes scripts for (flags checked)
+SCRIPT_ENGINES = ("vllm", "sglang", "trtllm")  # engines with checked flag lists
 ROLES = ("mixed", "prefill", "decode")
-BASE_PORTS = {"vllm": 8000, "sglang": 30000}  # worker w listens on base + w
+BASE_PORTS = {"vllm": 8000, "sglang": 30000, "trtllm": 8000}  # worker w: base + w
 KV_CACHE_DTYPE = {"vllm": {"bf16": "auto", "fp8": "fp8"},
                   "sglang": {"bf16": "auto", "fp8": "fp8_e4m3"},
                   "trtllm": {"bf16": "auto", "fp8": "fp8"}}
@@ -48,8 +48,9 @@ WEIGHT_FORMATS = ("bf16", "fp8")
 # vLLM's disaggregated prefill: KV cache shipped by the NIXL connector (both roles)
 VLLM_KV_TRANSFER = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 VLLM_SEQUENCE_PARALLEL = '{"pass_config":{"enable_sp":true}}'
-MODEL_FLAG = {"vllm": "--model", "sglang": "--model-path"}
-COMMAND = {"vllm": ["vllm", "serve"], "sglang": ["python", "-m", "sglang.launch_server"]}
+MODEL_FLAG = {"vllm": "--model", "sglang": "--model-path"}  # TensorRT-LLM: positional
+COMMAND = {"vllm": ["vllm", "serve"], "sglang": ["python", "-m", "sglang.launch_server"],
+           "trtllm": ["trtllm-serve", "serve"]}
 FLAGS_FILE = Path(__file__).with_name("engine_flags.json")
 MAX_MODEL_ID_CHARS = 1024
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -179,7 +180,40 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
         if pool.role in ("prefill", "decode"):
             out += ["--disaggregation-mode", pool.role]
         return out
-    return []  # TensorRT-LLM: configuration in plan.json only (no checked flag list yet)
+    # TensorRT-LLM: tp_size = tp x ep (expert tp = tp, ep_size = ep); the batch is per
+    # attention data-parallel rank when attention runs data-parallel
+    adp = trtllm_attention_dp(pool)
+    ranks = (d.tp * d.ep if pool.dp_attention else d.ep) if adp else 1
+    out = ["--tp_size", str(d.tp * d.ep), "--pp_size", str(d.pp)]
+    if d.ep > 1:
+        out += ["--ep_size", str(d.ep)]
+    return out + ["--max_batch_size", str(max(batch // ranks, 1)),
+                  "--max_seq_len", str(int(pool.max_model_len)),
+                  "--kv_cache_free_gpu_memory_fraction", mem]
+
+
+def trtllm_attention_dp(pool: LaunchPool) -> bool:
+    """TensorRT-LLM runs attention data-parallel (``enable_attention_dp``): the
+    dp-attention mode, or tp = 1 with ep > 1 (attention over the ep ranks)."""
+    d = pool.strategy.degrees
+    return pool.dp_attention or (d.tp == 1 and d.ep > 1)
+
+
+def no_script_reason(engine: str, pool: LaunchPool, gpus_per_node: int) -> str | None:
+    """Why shardc writes no script for this pool on ``engine`` (None: it does). TensorRT-LLM
+    scripts cover one aggregated pool of single-node BF16 workers: disaggregated pools
+    (``trtllm-serve disaggregated`` with a cluster config), FP8 (a pre-quantized checkpoint
+    and the KV-cache dtype in the LLM API options) and workers spanning nodes (``mpirun`` /
+    ``trtllm-llmapi-launch``) are recorded in plan.json only."""
+    if engine != "trtllm":
+        return None
+    if pool.role != "mixed":
+        return "TensorRT-LLM's disaggregated serving (trtllm-serve disaggregated) is not scripted"
+    if pool.weights != "bf16" or pool.kv_cache != "bf16":
+        return "FP8 on TensorRT-LLM needs a pre-quantized checkpoint; not scripted"
+    if gpus_per_instance(engine, pool) > max(int(gpus_per_node), 1):
+        return "a TensorRT-LLM worker spanning nodes runs under mpirun; not scripted"
+    return None
 
 
 def gpus_per_instance(engine: str, pool: LaunchPool) -> int:
@@ -193,10 +227,14 @@ def gpus_per_instance(engine: str, pool: LaunchPool) -> int:
 def pool_entry(engine: str, pool: LaunchPool, script: str | None) -> dict:
     """plan.json ``launch.<engine>.pools[]`` of one pool."""
     d = pool.strategy.degrees
-    return {"role": pool.role, "workers": int(d.dp), "gpus_per_worker": int(d.replica_gpus),
-            "degrees": d.as_dict(), "batch": int(pool.strategy.batch),
-            "mode": "dp-attention" if pool.dp_attention else "tp",
-            "flags": engine_flags(engine, pool), "script": script}
+    out = {"role": pool.role, "workers": int(d.dp), "gpus_per_worker": int(d.replica_gpus),
+           "degrees": d.as_dict(), "batch": int(pool.strategy.batch),
+           "mode": "dp-attention" if pool.dp_attention else "tp",
+           "flags": engine_flags(engine, pool), "script": script}
+    if engine == "trtllm":  # LLM API options, written to the --extra_llm_api_options YAML
+        out["llm_api_options"] = {"enable_attention_dp": True} if trtllm_attention_dp(pool) \
+            else {}
+    return out
 
 
 # ------------------------------------------------------------------ rendering
@@ -258,13 +296,13 @@ def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
                   'CUDA_VISIBLE_DEVICES="$(seq -s, "$FIRST_GPU" '
                   f'"$((FIRST_GPU + {per_worker - 1}))")"',
                   "export CUDA_VISIBLE_DEVICES"]
-    if nodes > 1:
+    if nodes > 1 and engine in ("vllm", "sglang"):  # TensorRT-LLM: not scripted
         lines.append(f"# One worker spans {nodes} nodes: "
                      + ("start a Ray cluster over them first (vLLM's multi-node executor)."
                         if engine == "vllm" else
                         "run this on each with NODE_RANK 0.." + str(nodes - 1)
                         + " and DIST_INIT_ADDR host:port of rank 0."))
-    args = [f"{MODEL_FLAG[engine]}=\"$MODEL\""]  # one token: never read as another flag
+    args = [f"{MODEL_FLAG[engine]}=\"$MODEL\""] if engine in MODEL_FLAG else []
     i = 0
     while i < len(flags):  # "--flag value" pairs and switches
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
@@ -279,10 +317,21 @@ def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
             args.append("--distributed-executor-backend ray")
         if d["ep"] > 1:
             args.append("--data-parallel-backend ray")
-    elif nodes > 1:
+    elif nodes > 1 and engine == "sglang":
         args += [f"--nnodes {nodes}", '--node-rank "${NODE_RANK:?set NODE_RANK}"',
                  '--dist-init-addr "${DIST_INIT_ADDR:?set DIST_INIT_ADDR}"']
+    options = entry.get("llm_api_options") or {}
+    if options:  # fixed vocabulary (trtllm_attention_dp), one YAML line per option
+        known = set(table.get("llm_api_options", ()))
+        assert set(options) <= known, options
+        lines += ['EXTRA_OPTIONS="$(mktemp)"',
+                  "printf '%s\\n' " + " ".join(shlex.quote(f"{k}: {str(v).lower()}")
+                                              for k, v in sorted(options.items()))
+                  + ' > "$EXTRA_OPTIONS"']
+        args.append('--extra_llm_api_options "$EXTRA_OPTIONS"')
     args.append('--port "$PORT"')
+    if engine not in MODEL_FLAG:  # a positional model after "--": never read as an option
+        args += ["--", '"$MODEL"']
     lines.append("exec " + " ".join(COMMAND[engine]) + " \\")
     lines += [f"    {a} \\" for a in args[:-1]] + [f"    {args[-1]}", ""]
     return "\n".join(lines)
@@ -293,13 +342,15 @@ def script_name(engine: str, role: str) -> str:
 
 
 def launch_scripts(launch: dict, model_id: str | None, gpus_per_node: int) -> dict[str, object]:
-    """``{"launch/<engine>_<role>.sh": writer}`` for every pool of every engine in plan.json
-    ``launch`` that shardc writes scripts for (none for an engine without pools), ready for
+    """``{"launch/<engine>_<role>.sh": writer}`` for every pool in plan.json ``launch`` with
+    a ``script`` (none for an engine without pools), ready for
     :func:`shardc.backends.atomic.write_outputs`."""
     out: dict[str, object] = {}
     for engine in SCRIPT_ENGINES:
         entry = launch.get(engine) or {}
         for pool in entry.get("pools") or []:
+            if not pool.get("script"):
+                continue
             text = render_script(engine, pool, entry, model_id, gpus_per_node)
             out[f"launch/{script_name(engine, pool['role'])}"] = _executable(text)
     return out
