@@ -69,9 +69,19 @@ def check_kernels(kernels: str, engine: str) -> None:
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
             workload: Workload | None = None, search: str = "rl", budget: int = 4000,
             seed: int = 0, progress=None, name: str | None = None,
-            degrees: str | dict | None = None, kernels: str = "silicon", engine: str = "vllm",
-            allow_cross_node_tp: bool = False):
+            degrees: str | dict | None = None, kernels: str = "silicon",
+            engine: str | None = None, allow_cross_node_tp: bool = False,
+            runtime: str = "dtensor", hf_id: str | None = None, launch: bool = True):
     """Compile ``model`` for ``mesh``; returns a :class:`shardc.plan.Plan`.
+
+    ``runtime``: ``"dtensor"`` (default: the whole strategy space; ``parallelize.py`` is the
+    deployable) or an engine (``"vllm"``, ``"sglang"``, ``"trtllm"``): the search runs in
+    the space that engine expresses (:mod:`shardc.ir.engines`), priced with its kernels, and
+    the plan is the engine's configuration. ``engine`` (whose kernel tables) defaults to
+    the runtime's engine, else vLLM's; naming another engine than the runtime is an error.
+    ``hf_id``: the model id the launch scripts serve (a hub id or a path; default: the
+    config's ``_name_or_path``). plan.json ``launch`` holds each engine's best configuration
+    (:mod:`shardc.launch_plan`; ``launch=False`` skips those searches).
 
     ``kernels``: ``"silicon"`` (NVIDIA's measured kernel latencies where they cover the
     hardware, roofline elsewhere) or ``"roofline"``; ``engine``: whose kernels (``vllm``,
@@ -84,7 +94,8 @@ def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str 
     """
     return compile_with_outcome(model, example_inputs, mesh, hardware, workload, search,
                                 budget, seed, progress, name, degrees=degrees, kernels=kernels,
-                                engine=engine, allow_cross_node_tp=allow_cross_node_tp)[0]
+                                engine=engine, allow_cross_node_tp=allow_cross_node_tp,
+                                runtime=runtime, hf_id=hf_id, launch=launch)[0]
 
 
 def _baseline_entry(space, result) -> dict:
@@ -100,20 +111,25 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          search: str = "rl", budget: int = 4000, seed: int = 0, progress=None,
                          name: str | None = None, check_backend: bool = True,
                          degrees: str | dict | None = None, kernels: str = "silicon",
-                         engine: str = "vllm", allow_cross_node_tp: bool = False):
+                         engine: str | None = None, allow_cross_node_tp: bool = False,
+                         runtime: str = "dtensor", hf_id: str | None = None,
+                         launch: bool = True):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
 
     ``check_backend``: first refuse (InputError) a model the DTensor backend cannot run
     (:mod:`shardc.backends.support`), so no plan comes with a ``parallelize.py`` that fails;
-    ``.onnx`` files (no DTensor code is emitted for them) and Graphs are not checked."""
+    ``.onnx`` files (no DTensor code is emitted for them) and Graphs are not checked.
+    ``launch``: also search each engine's best configuration for plan.json ``launch``."""
     from shardc.driver import search_pass
     from shardc.plan import build_plan
 
     if search not in POLICIES:
         raise InputError(f"--search {search!r}: expected one of {', '.join(POLICIES)}")
+    engine = resolve_engine(runtime, engine)
     check_kernels(kernels, engine)
+    model_id = launch_model_id(model, hf_id) if launch else None  # bad ids before tracing
     if int(budget) < 1:
         raise InputError("--budget must be a positive number of evaluations")
     if int(seed) < 0:
@@ -127,12 +143,23 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     if workload.phase == "serve":
-        return compile_serve(graph, mesh, hw, workload, search, int(budget), int(seed),
-                             progress, fixed, t0, kernels=kernels, engine=engine,
-                             allow_cross_node_tp=bool(allow_cross_node_tp))
+        plan, out = compile_serve(graph, mesh, hw, workload, search, int(budget), int(seed),
+                                  progress, fixed, t0, kernels=kernels, engine=engine,
+                                  allow_cross_node_tp=bool(allow_cross_node_tp),
+                                  runtime=runtime)
+        if launch:
+            from shardc.launch_plan import attach_launch
+            from shardc.serving import serve_search
+
+            attach_launch(plan, out, graph=graph, mesh=mesh, hw=hw, workload=workload,
+                          fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
+                          allow_cross_node_tp=bool(allow_cross_node_tp),
+                          serve_search=serve_search)
+        return plan, out
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
-                          engine=engine, allow_cross_node_tp=bool(allow_cross_node_tp))
+                          engine=engine, allow_cross_node_tp=bool(allow_cross_node_tp),
+                          runtime=runtime)
     wall_s = time.perf_counter() - t0
     breakdown = outcome.cost_model.simulate(outcome.strategy)
     baseline = {name: _baseline_entry(outcome.space, result)
@@ -149,19 +176,59 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,
         "best_curve": [[int(e), float(v)] for e, v in outcome.searched.curve],
-        "allow_cross_node_tp": bool(allow_cross_node_tp),
+        "allow_cross_node_tp": bool(allow_cross_node_tp), "runtime": runtime,
     }
     if fixed:
         search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}
+    if outcome.exact_value is not None:
+        search_info["exact_tok_s_per_gpu"] = float(outcome.exact_value)
     plan = build_plan(graph=outcome.graph, strategy=outcome.strategy, mesh=mesh,
                       hardware=hw.name, workload=workload, predicted=breakdown.predicted,
                       baseline=baseline, search=search_info)
+    if launch:
+        from shardc.launch_plan import attach_launch
+
+        attach_launch(plan, outcome, graph=graph, mesh=mesh, hw=hw, workload=workload,
+                      fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
+                      allow_cross_node_tp=bool(allow_cross_node_tp))
     return plan, outcome
+
+
+def resolve_engine(runtime: str, engine: str | None) -> str:
+    """The kernel tables' engine: ``engine`` when given, else the runtime's engine (vLLM's
+    for ``dtensor``); InputError for an unknown runtime or an engine other than the runtime."""
+    from shardc.cost.silicon import DEFAULT_ENGINE
+    from shardc.ir.engines import ENGINES, RUNTIMES
+
+    if not isinstance(runtime, str) or runtime not in RUNTIMES:
+        raise InputError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+    if runtime in ENGINES:
+        if engine is not None and engine != runtime:
+            raise InputError(f"--engine {engine} with --runtime {runtime}: the runtime's plan "
+                             f"is priced with its own kernels (drop --engine, or use "
+                             f"--engine {runtime})")
+        return runtime
+    return DEFAULT_ENGINE if engine is None else engine
+
+
+def launch_model_id(model, hf_id: str | None) -> str | None:
+    """The model id the launch scripts serve: ``hf_id`` when given (InputError unless a
+    valid hub id or path, :func:`shardc.backends.launch.check_model_id`), else a config
+    file's ``_name_or_path`` when valid, else None (the scripts then refuse to run until
+    ``SHARDC_MODEL`` is set)."""
+    from shardc.backends.launch import check_model_id, config_model_id
+
+    if hf_id is not None:
+        return check_model_id(hf_id, "--hf-id")
+    if isinstance(model, (str, Path)):
+        return config_model_id(str(model))
+    return None
 
 
 def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str, budget: int,
                   seed: int, progress, fixed: dict, t0: float, kernels: str = "silicon",
-                  engine: str = "vllm", allow_cross_node_tp: bool = False):
+                  engine: str = "vllm", allow_cross_node_tp: bool = False,
+                  runtime: str = "dtensor"):
     """``--phase serve``: the serving search (:func:`shardc.serving.serve_search`) and the
     plan of its choice -- top level = the mixed pool (agg) or the decode pool (disagg), with
     plan.json's ``serving`` section; ``outcome.pool_plans`` holds one Plan per pool (for
@@ -172,7 +239,7 @@ def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str,
 
     out = serve_search(graph, mesh, hw, workload, policy=search, budget=budget, seed=seed,
                        progress=progress, fixed=fixed, kernels=kernels, engine=engine,
-                       allow_cross_node_tp=allow_cross_node_tp)
+                       allow_cross_node_tp=allow_cross_node_tp, runtime=runtime)
     wall_s = time.perf_counter() - t0
     choice = out.choice
     pools, plans = [], {}
@@ -214,7 +281,7 @@ def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str,
         "chosen_from": out.chosen_from,
         "best_curve": [[int(e), float(v)] for e, v in pol[top_role].curve],
         "pools_searched": sorted(out.pools),
-        "allow_cross_node_tp": bool(allow_cross_node_tp),
+        "allow_cross_node_tp": bool(allow_cross_node_tp), "runtime": runtime,
     }
     if out.exact is not None and out.exact_complete:
         search_info["exact_tok_s_per_gpu"] = float(out.exact.tok_s_per_gpu)

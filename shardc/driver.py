@@ -25,6 +25,7 @@ from shardc.ir.space import StrategySpace, megatron_ops_at_tp1, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
 from shardc.search import SearchResult, cost_model_objective, run_search
+from shardc.search.engine_search import search_engine
 
 
 @dataclass
@@ -59,12 +60,16 @@ def _canonical_when_tp1(space, objective, action, value):
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
                 budget: int = 4000, seed: int = 0, progress=None,
                 fixed: dict[str, int] | None = None, kernels: str = "silicon",
-                engine: str = "vllm", allow_cross_node_tp: bool = False) -> SearchOutcome:
+                engine: str = "vllm", allow_cross_node_tp: bool = False,
+                runtime: str = "dtensor") -> SearchOutcome:
     """Search the strategy, annotate the graph with it; raise InfeasibleError if none fits.
     ``fixed``: degrees the user fixed (``--degrees``; see :class:`StrategySpace`); the
     searcher and the baselines explore the rest. ``kernels`` / ``engine``: what prices the ops
     (:mod:`shardc.cost.silicon`). tp stays inside one NVLink domain unless
-    ``allow_cross_node_tp`` (:func:`shardc.ir.space.nvlink_tp_domain`)."""
+    ``allow_cross_node_tp`` (:func:`shardc.ir.space.nvlink_tp_domain`). ``runtime``: an engine
+    (``vllm``, ``sglang``, ``trtllm``) searches only what that engine expresses
+    (:mod:`shardc.search.engine_search`; the baselines still run in the whole space, as the
+    comparison); ``dtensor``: the whole space."""
     cost_model = CostModel(graph, mesh, hardware, workload, kernels=kernels, engine=engine)
     space = StrategySpace(graph, mesh, workload, fixed=dict(fixed or {}),
                           tp_domain=nvlink_tp_domain(mesh, cost_model.hw.nvlink_domain,
@@ -72,15 +77,26 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     baselines = {name: run_search(name, space, objective, budget=budget, seed=seed)
                  for name in ("megatron", "best_practice")}
-    if policy in baselines:
+    engine_result = None
+    if runtime != "dtensor":
+        engine_result = search_engine(policy, space, runtime, budget=budget, seed=seed,
+                                      cost_model=cost_model, progress=progress)
+        if engine_result is None or engine_result.result.best_action is None:
+            raise InfeasibleError(runtime_infeasible(runtime, engine_result, graph, mesh,
+                                                     cost_model, workload, space))
+        result = engine_result.result
+        result.evaluations = engine_result.evaluations  # every mode's, not only the best's
+    elif policy in baselines:
         result = baselines[policy]
     else:
         result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
     searched = result
     chosen_from = policy
     # Never hand back a plan worse than a baseline computed in the same run (a baseline
-    # asked for by name is returned as it is).
-    for name, base in ({} if policy in baselines else baselines).items():
+    # asked for by name is returned as it is; with an engine runtime the plan must stay in
+    # the engine's space, so the baselines are only compared with).
+    skip = policy in baselines or runtime != "dtensor"
+    for name, base in ({} if skip else baselines).items():
         if (base.best_action is not None and np.isfinite(base.best_value)
                 and (result.best_action is None or base.best_value > result.best_value)):
             result, chosen_from = base, name
@@ -93,7 +109,22 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     # collective bytes for the tokens of one step of one replica (as graph.txt's shapes)
     step_tokens = strategy.batch * (1 if workload.phase == "decode" else workload.prompt)
     annotated = annotate(graph, strategy, tokens=step_tokens)
-    exact_value = searched.best_value if policy == "exact" and searched.complete else None
+    complete = engine_result.complete if engine_result is not None else searched.complete
+    exact_value = searched.best_value if policy == "exact" and complete else None
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
                          exact_value=exact_value, chosen_from=chosen_from, searched=searched,
                          best_practice=baselines["best_practice"])
+
+
+def runtime_infeasible(runtime: str, engine_result, graph, mesh, cost_model, workload,
+                       space) -> str:
+    """Why ``--runtime <engine>`` found no plan: nothing the engine expresses here, or
+    nothing it expresses fits (then the whole space's reason, which names what is short)."""
+    from shardc.ir.engines import ENGINE_NAMES
+
+    name = ENGINE_NAMES[runtime]
+    if engine_result is None:
+        return (f"--runtime {runtime}: {name} expresses no configuration of {mesh} for "
+                f"{graph.name or 'this model'} (docs/deploy.md lists what it runs)")
+    return (f"--runtime {runtime}: no configuration {name} expresses fits: "
+            + infeasible_message(graph, mesh, cost_model.hw, workload, cost_model, space))

@@ -62,12 +62,16 @@ class Plan:
     baseline: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)
     serving: dict = field(default_factory=dict)  # --phase serve only (SPEC section 4)
+    # each engine's best configuration (shardc.launch_plan; SPEC section 4 ``launch``)
+    launch: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in _KEYS}
         if self.serving:
             out["serving"] = self.serving
+        if self.launch:
+            out["launch"] = self.launch
         return out
 
     def strategy(self) -> Strategy:
@@ -264,7 +268,8 @@ def load_plan(path: str | Path) -> Plan:
                          f"(this shardc reads schema_version "
                          f"{' and '.join(map(str, READABLE_SCHEMAS))})")
     validate_plan_dict(data, str(path))
-    return Plan(**{k: data[k] for k in _KEYS}, serving=dict(data.get("serving") or {}))
+    return Plan(**{k: data[k] for k in _KEYS}, serving=dict(data.get("serving") or {}),
+                launch=dict(data.get("launch") or {}))
 
 
 def validate_plan_dict(data: dict, where: str = "plan") -> None:

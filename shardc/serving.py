@@ -41,6 +41,7 @@ from shardc.ir.graph import Graph
 from shardc.ir.space import DECODE_BATCHES, StrategySpace
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.search import POLICIES, run_search
+from shardc.search.engine_search import search_engine
 from shardc.search.objective import CostModelObjective
 
 SLO_MOVES = (0.8, 1.2)
@@ -242,11 +243,12 @@ def half_mesh(mesh: Mesh) -> Mesh | None:
 
 def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progress,
                  extra_policies, full_mesh: Mesh | None = None, kernel_options=None,
-                 tp_domain: int | None = None) -> PoolSearch:
+                 tp_domain: int | None = None, runtime: str = "dtensor") -> PoolSearch:
     """Search one pool on ``mesh``: the Megatron sweep, ``policy`` and ``extra_policies``,
     each row recorded under its policy's tag (prefill TTFT adds the KV transfer on
     ``full_mesh``, the physical mesh; ``kernel_options``: the CostModel's ``kernels`` /
-    ``engine``; ``tp_domain``: :func:`shardc.ir.space.nvlink_tp_domain`)."""
+    ``engine``; ``tp_domain``: :func:`shardc.ir.space.nvlink_tp_domain`; ``runtime``: an
+    engine searches only what it expresses, :mod:`shardc.search.engine_search`)."""
     pw = pool_workload(wl, role)
     space = StrategySpace(graph, mesh, pw, fixed=dict(fixed or {}), tp_domain=tp_domain)
     if role != "prefill":
@@ -261,8 +263,18 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
     for tag in dict.fromkeys(["megatron", policy, *extra_policies]):
         obj.tag = tag
         opts = {"time_limit_s": EXACT_LIMIT_S} if tag == "exact" and policy != "exact" else {}
-        pool.results[tag] = run_search(tag, space, obj, budget=budget, seed=seed,
-                                       progress=progress if tag == policy else None, **opts)
+        prog = progress if tag == policy else None
+        if runtime == "dtensor":
+            pool.results[tag] = run_search(tag, space, obj, budget=budget, seed=seed,
+                                           progress=prog, **opts)
+            continue
+        found = search_engine(tag, space, runtime, budget=budget, seed=seed,
+                              objective_for=lambda ms: obj, progress=prog, **opts)
+        if found is None:
+            raise InfeasibleError(f"--runtime {runtime}: the engine expresses no "
+                                  f"configuration of the {role} pool on {mesh}")
+        found.result.complete = found.complete  # every mode's sweep, not only the best's
+        pool.results[tag] = found.result
     return pool
 
 
@@ -287,7 +299,8 @@ def check_serve_positions(graph: Graph, wl: Workload) -> None:
 def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str = "rl",
                  budget: int = 4000, seed: int = 0, progress=None,
                  fixed: dict | None = None, extra_policies=None, kernels: str = "silicon",
-                 engine: str = "vllm", allow_cross_node_tp: bool = False) -> ServeOutcome:
+                 engine: str = "vllm", allow_cross_node_tp: bool = False,
+                 runtime: str = "dtensor") -> ServeOutcome:
     """Search the serving deployment (``wl.phase == "serve"``); InfeasibleError if neither
     mode meets the SLOs (naming what binds). The Megatron sweep always runs;
     ``extra_policies`` (default: ``best_practice`` where search/ has it, and ``exact`` for
@@ -299,6 +312,7 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
 
     hardware = load_hardware(hardware)
     pool_options = {"kernel_options": {"kernels": kernels, "engine": engine},
+                    "runtime": runtime,
                     "tp_domain": nvlink_tp_domain(mesh, hardware.nvlink_domain,
                                                   allow_cross_node_tp)}
 
@@ -324,10 +338,10 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
                 pools[role] = _search_pool(graph, half, hardware, wl, role, policy,
                                            max(budget // 2, 1), seed, fixed, None, extra,
                                            full_mesh=mesh, **pool_options)
-            except InputError as e:
+            except (InputError, InfeasibleError) as e:
                 if wl.mode == "disagg":
-                    raise InputError(f"{e} (--mode disagg: a pool's worker has at most "
-                                     f"{half.gpus} of the {mesh.gpus} GPUs)") from None
+                    raise type(e)(f"{e} (--mode disagg: a pool's worker has at most "
+                                  f"{half.gpus} of the {mesh.gpus} GPUs)") from None
                 pools.pop("prefill", None)
                 break
     elif wl.mode == "disagg":

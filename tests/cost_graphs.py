@@ -89,6 +89,8 @@ CONFIGS = {
                          heads=96, kv_heads=96, head_dim=128, vocab=51200, gated=False),
     "gpt_moe_1p6t": dict(layers=80, hidden=12288, expert_ffn=49152, num_experts=16, top_k=2,
                          heads=96, kv_heads=96, head_dim=128, vocab=51200, gated=False),
+    "qwen3_30b_a3b": dict(layers=48, hidden=2048, expert_ffn=768, num_experts=128, top_k=8,
+                          heads=32, kv_heads=4, head_dim=128, vocab=151936),
     "tiny_llama": dict(layers=4, hidden=256, ffn=688, heads=8, kv_heads=4, head_dim=32,
                        vocab=1024),
 }

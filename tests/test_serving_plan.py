@@ -90,13 +90,14 @@ def test_compile_serve_writes_pool_files(tmp_path, capsys):
     assert "parallelize.py" not in names
     for role in ("prefill", "decode"):
         compile((out / f"parallelize_{role}.py").read_text(), role, "exec")
-        for engine in ("vllm", "sglang"):  # one launch script per pool and engine
-            script = out / "launch" / f"{engine}_{role}.sh"
-            assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     plan = json.loads((out / "plan.json").read_text())
-    for pool in plan["serving"]["pools"]:
-        text = (out / "launch" / f"vllm_{pool['role']}.sh").read_text()
-        assert f"WORKERS={pool['workers']}" in text
+    for engine in ("vllm", "sglang"):  # one launch script per pool of each engine's best
+        entry = plan["launch"][engine]
+        assert [p["role"] for p in entry["pools"]] == ["prefill", "decode"]
+        for pool in entry["pools"]:
+            script = out / pool["script"]
+            assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+            assert f"WORKERS={pool['workers']}" in script.read_text()
     text = capsys.readouterr().out
     assert "binding constraint" in text and "SLOs -20%" in text and "SLOs +20%" in text
 

@@ -1,79 +1,123 @@
-"""Launch settings for the engines people run: ``launch/vllm_<role>.sh`` and
-``launch/sglang_<role>.sh`` per serving pool (SPEC section 11; docs/deploy.md maps every plan
-field to each engine's flag).
+"""Launch settings for the engines people run: plan.json ``launch`` pools and
+``launch/vllm_<role>.sh`` / ``launch/sglang_<role>.sh`` / ``launch/trtllm_mixed.sh`` (SPEC
+section 11; docs/deploy.md maps every degree to each engine's flag).
+
+The configuration of each engine is found by the search in the space that engine expresses
+(:mod:`shardc.ir.engines`, :mod:`shardc.launch_plan`), never by rounding the plan; this
+module only spells a found configuration as the engine's flags (:func:`engine_flags`) and
+writes the script (:func:`render_script`).
 
 A pool is ``workers`` identical engine instances (shardc's ``dp`` replicas); one instance
 holds one replica of ``tp x ep x pp`` GPUs and serves up to ``batch`` sequences. Each
-script starts one instance (``WORKER`` = its index, first argument, default 0), so run it
-once per worker on that worker's GPUs.
+script starts one instance (``WORKER`` = its index, first argument, default 0): run it
+once per worker. When several workers share a node the script sets
+``CUDA_VISIBLE_DEVICES`` to the worker's GPUs of that node.
 
-A script is written only from what its engine can express (:func:`not_expressible`):
-
-* vLLM (``vllm serve``): tp, pp; ep > 1 only with tp = 1 (``--data-parallel-size ep
-  --enable-expert-parallel``: attention data-parallel over the ep ranks, experts split over
-  them, vLLM's expert-parallel size being tp x dp); sequence parallelism through its
-  compilation pass; Megatron's per-op dims;
-* SGLang (``python -m sglang.launch_server``): ``--tp-size tp*ep``, with ep > 1
-  ``--dp-size ep --enable-dp-attention --ep-size ep`` (attention tp = tp, experts split over
-  ep with expert tp = tp); a model with dense MLP or shared-expert layers needs tp = 1 there
-  (``--moe-dense-tp-size 1``); attention data-parallel inside the tp group
-  (``--dp-size tp --enable-dp-attention``) when ep = 1; no sequence parallelism; Megatron's
-  per-op dims otherwise.
-
-When the plan uses something its engine cannot run, the script carries the nearest
-configuration the engine can express (:func:`nearest_expressible`: same degrees with the
-engine's per-op dims where the degrees are expressible, else the fewest degrees changed;
-the best predicted tok/s/GPU among those, over the batch candidates) and a comment with
-that configuration's predicted throughput, from the same evaluator that priced the plan,
-next to the plan's. Nothing from input becomes code: the model name is ``shlex.quote``-d and
-every number is validated (:class:`LaunchPool`).
+Nothing from input becomes code or a flag: the model id is validated
+(:func:`check_model_id`: a hub id or a path, never starting with ``-``), quoted, and passed
+as ``--model=<id>`` / ``--model-path=<id>`` (one argv token the engines' argparse reads as
+the option's value; TensorRT-LLM's click positional after ``--``); every number is validated (:class:`LaunchPool`); every flag written is
+one of the engine's own (:data:`ENGINE_FLAGS`, read from its argument definitions).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
-from dataclasses import dataclass, field
+import unicodedata
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-
-import numpy as np
 
 from shardc.backends.atomic import _umask
 from shardc.errors import InputError
-from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choices
+from shardc.ir.engines import ENGINE_NAMES, has_dense_mlp, uses_dp_attention
 from shardc.ir.strategy import Strategy
-from shardc.search.baselines import DP_ATTENTION, sweep_actions
-from shardc.search.legal import LegalSampler
 from shardc.text import one_line
 from shardc.validate import MAX_TOKENS, check_number
 
-ENGINES = ("vllm", "sglang")
+SCRIPT_ENGINES = ("vllm", "sglang", "trtllm")  # engines with checked flag lists
 ROLES = ("mixed", "prefill", "decode")
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-BASE_PORTS = {"vllm": 8000, "sglang": 30000}  # worker w listens on base + w
+BASE_PORTS = {"vllm": 8000, "sglang": 30000, "trtllm": 8000}  # worker w: base + w
 KV_CACHE_DTYPE = {"vllm": {"bf16": "auto", "fp8": "fp8"},
-                  "sglang": {"bf16": "auto", "fp8": "fp8_e4m3"}}
+                  "sglang": {"bf16": "auto", "fp8": "fp8_e4m3"},
+                  "trtllm": {"bf16": "auto", "fp8": "fp8"}}
 WEIGHT_FORMATS = ("bf16", "fp8")
 # vLLM's disaggregated prefill: KV cache shipped by the NIXL connector (both roles)
 VLLM_KV_TRANSFER = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 VLLM_SEQUENCE_PARALLEL = '{"pass_config":{"enable_sp":true}}'
+MODEL_FLAG = {"vllm": "--model", "sglang": "--model-path"}  # TensorRT-LLM: positional
+COMMAND = {"vllm": ["vllm", "serve"], "sglang": ["python", "-m", "sglang.launch_server"],
+           "trtllm": ["trtllm-serve", "serve"]}
+FLAGS_FILE = Path(__file__).with_name("engine_flags.json")
+MAX_MODEL_ID_CHARS = 1024
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
+@lru_cache(maxsize=1)
+def engine_flag_table() -> dict:
+    """engine -> {command, checked_against, flags}: the checked-in flag lists
+    (``engine_flags.json``, refreshed by ``tools/refresh_engine_flags.py``)."""
+    data = json.loads(FLAGS_FILE.read_text())
+    return {e: data[e] for e in SCRIPT_ENGINES}
+
+
+# ------------------------------------------------------------------ model id
+def check_model_id(text, what: str = "model id") -> str:
+    """``text`` when it is a model id an engine may be given: a hub id (``org/name``) or a
+    filesystem path (starting with ``/``, ``.`` or ``~``), printable, at most
+    :data:`MAX_MODEL_ID_CHARS`, never starting with ``-``; else InputError naming ``what``."""
+    if not isinstance(text, str) or not text:
+        raise InputError(f"{what}: expected a model hub id (org/name) or a path")
+    shown = one_line(ascii(text[:80]))
+    if text.startswith("-"):
+        raise InputError(f"{what} {shown}: a model id must not start with '-' (it would be "
+                         "read as an engine flag)")
+    if len(text) > MAX_MODEL_ID_CHARS or any(
+            unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn") for ch in text):
+        raise InputError(f"{what} {shown}: control, format or unassigned characters, or "
+                         f"longer than {MAX_MODEL_ID_CHARS} characters")
+    if _HUB_ID.match(text) or text[0] in "/.~":
+        return text
+    raise InputError(f"{what} {shown}: expected a hub id (org/name: letters, digits, '.', "
+                     "'_', '-') or a path starting with '/', '.' or '~'")
+
+
+def config_model_id(path: str) -> str | None:
+    """A config.json's ``_name_or_path`` when it is a valid model id (:func:`check_model_id`),
+    else None (not a JSON config, no such field, or an id the scripts must not carry)."""
+    if not str(path).lower().endswith(".json"):
+        return None
+    try:
+        from shardc.validate import loads_strict_json
+
+        data = loads_strict_json(Path(path).read_text(encoding="utf-8"))
+        value = data.get("_name_or_path") if isinstance(data, dict) else None
+        return check_model_id(value) if value else None
+    except (InputError, OSError, ValueError, RecursionError):
+        return None
+
+
+# ------------------------------------------------------------------ pools and flags
 @dataclass(frozen=True)
 class LaunchPool:
     """One serving pool to launch. ``strategy``: its degrees (``dp`` = engine instances),
     ``batch`` (max running sequences per instance) and per-op choices; ``max_model_len``
     (tokens), ``mem_fraction`` (of each GPU's HBM the engine may fill, 0-1),
-    ``kv_cache`` / ``weights`` (bf16 | fp8), ``model`` (path or hub name: any text, quoted
-    in the scripts). Numbers are validated here, so nothing unchecked reaches a script."""
+    ``kv_cache`` / ``weights`` (bf16 | fp8); ``dense_mlp``: the model has dense MLP or
+    shared-expert layers; ``dp_attention``: attention runs data-parallel inside the tp group.
+    Numbers are validated here, so nothing unchecked reaches a script."""
 
     role: str
     strategy: Strategy
-    model: str
     max_model_len: int
     mem_fraction: float
     kv_cache: str = "bf16"
     weights: str = "bf16"
+    dense_mlp: bool = False
+    dp_attention: bool = False
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -84,216 +128,151 @@ class LaunchPool:
         for what, value in (("KV-cache dtype", self.kv_cache), ("weights", self.weights)):
             if value not in WEIGHT_FORMATS:
                 raise InputError(f"launch {what} {value!r}: expected bf16 or fp8")
-        if not isinstance(self.model, str) or not self.model:
-            raise InputError("launch model: expected a non-empty model path or name")
+        d = self.strategy.degrees
+        for name in ("tp", "ep", "pp", "dp", "sp"):
+            check_number(getattr(d, name), f"launch {name}", integer=True, minimum=1)
+        check_number(self.strategy.batch, "launch batch", integer=True, minimum=1)
 
-    @property
-    def gpus(self) -> int:
-        return self.strategy.degrees.world
-
-
-@dataclass
-class EngineLaunch:
-    """What one engine runs for a pool: the strategy it expresses, and why it differs
-    from the plan's (empty ``reasons`` = the plan itself)."""
-
-    engine: str
-    strategy: Strategy
-    reasons: list[str] = field(default_factory=list)
-    predicted: float | None = None  # tok/s/GPU of ``strategy`` (when it is not the plan)
-    feasible: bool = True
+    @classmethod
+    def of(cls, role: str, strategy: Strategy, space, max_model_len: int, mem_fraction: float,
+           kv_cache: str = "bf16", weights: str = "bf16") -> LaunchPool:
+        """The pool of ``strategy`` in ``space`` (reads the model's layer structure)."""
+        return cls(role, strategy, int(max_model_len), float(mem_fraction), kv_cache, weights,
+                   has_dense_mlp(space), uses_dp_attention(space, strategy))
 
 
-# ------------------------------------------------------------------ expressibility
-def _ops(space: StrategySpace) -> list[str]:
-    return [slot.split(".")[-1] for slot in space.op_slots]
-
-
-def _has_dense_mlp(space: StrategySpace) -> bool:
-    """Whether some layer has a dense MLP or shared experts (SGLang runs those at the
-    whole instance's tp under DP-attention, unless ``--moe-dense-tp-size 1``)."""
-    return any(op in ("ffn1", "shared_ffn1") for op in _ops(space))
-
-
-def _uses_dp_attention(space: StrategySpace, strategy: Strategy) -> bool:
-    """Every attention op of the strategy is DP-attention inside the tp group."""
-    att = [(slot, op) for slot, op in zip(space.op_slots, _ops(space)) if op in DP_ATTENTION]
-    return bool(att) and all(strategy.choices[s] == DP_ATTENTION[op] for s, op in att)
-
-
-def engine_op_choices(engine: str, space: StrategySpace, strategy: Strategy) -> dict[str, int]:
-    """The per-op choices ``engine`` runs at the strategy's tp: Megatron's dims
-    (:func:`~shardc.ir.space.megatron_op_choices`); SGLang keeps DP-attention inside the tp
-    group when the strategy uses it and ep = 1."""
-    tp_idx = space.values["tp"].index(strategy.degrees.tp)
-    ops = megatron_op_choices(space, tp_idx)
-    out = {s: int(c) for s, c in zip(space.op_slots, ops)}
-    if engine == "sglang" and strategy.degrees.ep == 1 and _uses_dp_attention(space, strategy):
-        for slot, op in zip(space.op_slots, _ops(space)):
-            if op in DP_ATTENTION:
-                out[slot] = DP_ATTENTION[op]
-    return out
-
-
-def degree_reasons(engine: str, space: StrategySpace, tp: int, ep: int, sp: int) -> list[str]:
-    """Why ``engine`` cannot run these degrees (empty: it can)."""
-    name = ENGINE_NAMES[engine]
-    out = []
-    if engine == "vllm" and tp > 1 and ep > 1:
-        out.append(f"experts split over tp={tp} inside each of ep={ep} groups ({name}'s "
-                   "expert parallelism spans tensor x data parallel ranks)")
-    if engine == "sglang":
-        if tp > 1 and ep > 1 and _has_dense_mlp(space):
-            out.append(f"dense MLP at tp={tp} beside ep={ep} ({name} runs dense layers at the "
-                       "instance's whole tp or at tp 1 under DP-attention)")
-        if sp > 1:
-            out.append(f"sequence parallelism (sp={sp}; {name} has no flag for it)")
-    return out
-
-
-def not_expressible(engine: str, space: StrategySpace, strategy: Strategy) -> list[str]:
-    """Reasons ``engine`` cannot run ``strategy`` as planned (empty: it can)."""
-    d = strategy.degrees
-    out = degree_reasons(engine, space, d.tp, d.ep, d.sp)
-    if d.tp > 1:
-        want = engine_op_choices(engine, space, strategy)
-        names = strategy.choice_names()
-        diff = [f"{s}={names[s]}" for s in space.op_slots if strategy.choices[s] != want[s]]
-        if diff:
-            shown = ", ".join(diff[:4]) + (f" and {len(diff) - 4} more" if len(diff) > 4 else "")
-            out.append(f"per-op choices {shown} ({ENGINE_NAMES[engine]} runs Megatron's dims"
-                       + (", or DP-attention with ep=1" if engine == "sglang" else "") + ")")
-    return out
-
-
-# ------------------------------------------------------------------ nearest configuration
-def nearest_expressible(engine: str, space: StrategySpace, strategy: Strategy,
-                        evaluate) -> EngineLaunch:
-    """The configuration ``engine`` runs for ``strategy``: the strategy itself when
-    expressible; else, among the legal strategies of ``space`` the engine can express
-    (engine per-op dims, every batch candidate), those with the fewest degrees (tp, ep, pp,
-    sp) changed, the one ``evaluate`` (actions [B, A] -> (tok/s/GPU [B], feasible [B]))
-    predicts best; infeasible ones only when none is feasible (``feasible`` False)."""
-    reasons = not_expressible(engine, space, strategy)
-    if not reasons:
-        return EngineLaunch(engine, strategy)
-    sampler = LegalSampler(space)
-    acts = sweep_actions(sampler, lambda t: megatron_op_choices(space, t))
-    deg = space.degree_arrays(acts)
-    d = strategy.degrees
-    triples = np.stack([deg["tp"], deg["ep"], deg["sp"]], axis=1)
-    ok = {tuple(int(x) for x in t): not degree_reasons(engine, space, *(int(x) for x in t))
-          for t in np.unique(triples, axis=0)}
-    acts = acts[np.array([ok[tuple(int(x) for x in t)] for t in triples], dtype=bool)]
-    if acts.shape[0] == 0:
-        return EngineLaunch(engine, strategy, reasons + ["no configuration of this mesh is "
-                                                         "expressible"], None, False)
-    # SGLang's DP-attention inside the tp group, where the plan used it (ep = 1 rows)
-    if engine == "sglang" and _uses_dp_attention(space, strategy):
-        n_deg = len(DEGREE_COMPONENTS)
-        rows = space.degree_arrays(acts)["ep"] == 1
-        for j, (slot, op) in enumerate(zip(space.op_slots, _ops(space))):
-            if op in DP_ATTENTION:
-                acts[rows, n_deg + j] = DP_ATTENTION[op]
-        acts = acts[sampler.legal(acts)]
-    deg = space.degree_arrays(acts)
-    dist = sum((deg[k] != getattr(d, k)).astype(int) for k in ("tp", "ep", "pp", "sp"))
-    value, feasible = evaluate(acts)
-    value = np.where(np.isfinite(value), np.asarray(value, dtype=float), -np.inf)
-    pool = feasible if feasible.any() else np.ones(len(acts), dtype=bool)
-    best_dist = dist[pool].min()
-    cand = np.flatnonzero(pool & (dist == best_dist))
-    i = int(cand[np.argmax(value[cand])])  # first maximum: deterministic
-    return EngineLaunch(engine, space.decode(acts[i]), reasons, float(value[i]),
-                        bool(feasible[i]))
-
-
-# ------------------------------------------------------------------ rendering
-def _describe(strategy: Strategy) -> str:
-    d = strategy.degrees
-    return f"tp={d.tp} ep={d.ep} pp={d.pp} dp={d.dp} sp={d.sp} batch={strategy.batch}"
-
-
-def engine_flags(engine: str, pool: LaunchPool, strategy: Strategy, space: StrategySpace
-                 ) -> list[tuple[str, str | None]]:
-    """[(flag, value or None for a switch)] of one instance of ``strategy`` on ``engine``;
-    values are validated numbers or fixed vocabulary (the model and port are added by the
-    script)."""
-    d, batch = strategy.degrees, int(strategy.batch)
+def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
+    """The argv tokens of one instance of ``pool`` on ``engine`` (the model, port and
+    multi-node flags are added by the script): validated numbers and fixed vocabulary."""
+    d, batch = pool.strategy.degrees, int(pool.strategy.batch)
     kv = KV_CACHE_DTYPE[engine][pool.kv_cache]
     mem = f"{float(pool.mem_fraction):.3f}"
     if engine == "vllm":
-        flags = [("--tensor-parallel-size", str(d.tp)), ("--pipeline-parallel-size", str(d.pp))]
-        if d.ep > 1:
-            flags += [("--data-parallel-size", str(d.ep)), ("--enable-expert-parallel", None)]
+        out = ["--tensor-parallel-size", str(d.tp), "--pipeline-parallel-size", str(d.pp)]
+        if d.ep > 1:  # attention data-parallel over the ep ranks, experts split over them
+            out += ["--data-parallel-size", str(d.ep), "--enable-expert-parallel"]
         if d.sp > 1:
-            flags.append(("--compilation-config", VLLM_SEQUENCE_PARALLEL))
-        flags += [("--max-num-seqs", str(max(batch // d.ep, 1))),  # per data-parallel rank
-                  ("--max-model-len", str(int(pool.max_model_len))),
-                  ("--gpu-memory-utilization", mem), ("--kv-cache-dtype", kv)]
+            out += ["--compilation-config", VLLM_SEQUENCE_PARALLEL]
+        out += ["--max-num-seqs", str(max(batch // d.ep, 1)),  # per data-parallel rank
+                "--max-model-len", str(int(pool.max_model_len)),
+                "--gpu-memory-utilization", mem, "--kv-cache-dtype", kv]
         if pool.weights == "fp8":
-            flags.append(("--quantization", "fp8"))
+            out += ["--quantization", "fp8"]
         if pool.role in ("prefill", "decode"):
-            flags.append(("--kv-transfer-config", VLLM_KV_TRANSFER))
-        return flags
-    flags = [("--tp-size", str(d.tp * d.ep)), ("--pp-size", str(d.pp))]
+            out += ["--kv-transfer-config", VLLM_KV_TRANSFER]
+        return out
+    if engine == "sglang":
+        out = ["--tp-size", str(d.tp * d.ep), "--pp-size", str(d.pp)]
+        if d.ep > 1 or pool.dp_attention:
+            dp = d.tp * d.ep if pool.dp_attention else d.ep
+            out += ["--dp-size", str(dp), "--enable-dp-attention"]
+            if d.ep > 1:
+                out += ["--ep-size", str(d.ep)]
+                if d.tp == 1 and pool.dense_mlp:
+                    out += ["--moe-dense-tp-size", "1"]
+        if d.pp > 1:  # SGLang refuses pipeline parallelism with its overlap scheduler
+            out += ["--disable-overlap-schedule"]
+        out += ["--max-running-requests", str(batch),
+                "--context-length", str(int(pool.max_model_len)),
+                "--mem-fraction-static", mem, "--kv-cache-dtype", kv]
+        if pool.weights == "fp8":
+            out += ["--quantization", "fp8"]
+        if pool.role in ("prefill", "decode"):
+            out += ["--disaggregation-mode", pool.role]
+        return out
+    # TensorRT-LLM: tp_size = tp x ep (expert tp = tp, ep_size = ep); the batch is per
+    # attention data-parallel rank when attention runs data-parallel
+    adp = trtllm_attention_dp(pool)
+    ranks = (d.tp * d.ep if pool.dp_attention else d.ep) if adp else 1
+    out = ["--tp_size", str(d.tp * d.ep), "--pp_size", str(d.pp)]
     if d.ep > 1:
-        flags += [("--dp-size", str(d.ep)), ("--enable-dp-attention", None),
-                  ("--ep-size", str(d.ep))]
-        if d.tp == 1 and _has_dense_mlp(space):
-            flags.append(("--moe-dense-tp-size", "1"))
-    elif d.tp > 1 and _uses_dp_attention(space, strategy):
-        flags += [("--dp-size", str(d.tp)), ("--enable-dp-attention", None)]
-    flags += [("--max-running-requests", str(batch)),
-              ("--context-length", str(int(pool.max_model_len))),
-              ("--mem-fraction-static", mem), ("--kv-cache-dtype", kv)]
-    if pool.weights == "fp8":
-        flags.append(("--quantization", "fp8"))
-    if pool.role in ("prefill", "decode"):
-        flags.append(("--disaggregation-mode", pool.role))
-    return flags
+        out += ["--ep_size", str(d.ep)]
+    return out + ["--max_batch_size", str(max(batch // ranks, 1)),
+                  "--max_seq_len", str(int(pool.max_model_len)),
+                  "--kv_cache_free_gpu_memory_fraction", mem]
 
 
-def _engine_gpus(engine: str, flags: list[tuple[str, str | None]]) -> int:
-    """GPUs one instance of ``flags`` occupies (the engine's own arithmetic)."""
-    f = dict(flags)
+def trtllm_attention_dp(pool: LaunchPool) -> bool:
+    """TensorRT-LLM runs attention data-parallel (``enable_attention_dp``): the
+    dp-attention mode, or tp = 1 with ep > 1 (attention over the ep ranks)."""
+    d = pool.strategy.degrees
+    return pool.dp_attention or (d.tp == 1 and d.ep > 1)
+
+
+def no_script_reason(engine: str, pool: LaunchPool, gpus_per_node: int) -> str | None:
+    """Why shardc writes no script for this pool on ``engine`` (None: it does). TensorRT-LLM
+    scripts cover one aggregated pool of single-node BF16 workers: disaggregated pools
+    (``trtllm-serve disaggregated`` with a cluster config), FP8 (a pre-quantized checkpoint
+    and the KV-cache dtype in the LLM API options) and workers spanning nodes (``mpirun`` /
+    ``trtllm-llmapi-launch``) are recorded in plan.json only."""
+    if engine != "trtllm":
+        return None
+    if pool.role != "mixed":
+        return "TensorRT-LLM's disaggregated serving (trtllm-serve disaggregated) is not scripted"
+    if pool.weights != "bf16" or pool.kv_cache != "bf16":
+        return "FP8 on TensorRT-LLM needs a pre-quantized checkpoint; not scripted"
+    if gpus_per_instance(engine, pool) > max(int(gpus_per_node), 1):
+        return "a TensorRT-LLM worker spanning nodes runs under mpirun; not scripted"
+    return None
+
+
+def gpus_per_instance(engine: str, pool: LaunchPool) -> int:
+    """GPUs one instance occupies, by the engine's own arithmetic of :func:`engine_flags`."""
+    d = pool.strategy.degrees
     if engine == "vllm":
-        return (int(f["--tensor-parallel-size"]) * int(f["--pipeline-parallel-size"])
-                * int(f.get("--data-parallel-size") or 1))
-    return int(f["--tp-size"]) * int(f["--pp-size"])
+        return d.tp * d.pp * d.ep  # tensor x pipeline x data-parallel (= ep) ranks
+    return d.tp * d.ep * d.pp
 
 
-def render_script(pool: LaunchPool, launch: EngineLaunch, space: StrategySpace,
-                  plan_value: float | None, gpus_per_node: int) -> str:
-    """The bash script of one engine for one pool (module docstring)."""
-    engine, s = launch.engine, launch.strategy
+def pool_entry(engine: str, pool: LaunchPool, script: str | None) -> dict:
+    """plan.json ``launch.<engine>.pools[]`` of one pool."""
+    d = pool.strategy.degrees
+    out = {"role": pool.role, "workers": int(d.dp), "gpus_per_worker": int(d.replica_gpus),
+           "degrees": d.as_dict(), "batch": int(pool.strategy.batch),
+           "mode": "dp-attention" if pool.dp_attention else "tp",
+           "flags": engine_flags(engine, pool), "script": script}
+    if engine == "trtllm":  # LLM API options, written to the --extra_llm_api_options YAML
+        out["llm_api_options"] = {"enable_attention_dp": True} if trtllm_attention_dp(pool) \
+            else {}
+    return out
+
+
+# ------------------------------------------------------------------ rendering
+def _describe(entry: dict) -> str:
+    d = entry["degrees"]
+    return (f"tp={d['tp']} ep={d['ep']} pp={d['pp']} dp={d['dp']} sp={d.get('sp', 1)} "
+            f"batch={entry['batch']}" + (" attention data-parallel"
+                                         if entry.get("mode") == "dp-attention" else ""))
+
+
+def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
+                  gpus_per_node: int) -> str:
+    """The bash script of one engine for one pool (``entry``: plan.json's pool;
+    ``launch``: plan.json's ``launch.<engine>``, for the predicted numbers)."""
     name = ENGINE_NAMES[engine]
-    flags = engine_flags(engine, pool, s, space)
-    per_worker = _engine_gpus(engine, flags)
-    workers = s.degrees.dp
-    assert per_worker * workers == s.degrees.world, (engine, flags, s.degrees)
-    nodes = -(-per_worker // max(int(gpus_per_node), 1))
+    flags = list(entry["flags"])
+    table = engine_flag_table()[engine]
+    unknown = [f for f in flags if f.startswith("--") and f not in table["flags"]]
+    assert not unknown, (engine, unknown)  # shardc's own bug: tests pin every flag
+    per_worker, workers = int(entry["gpus_per_worker"]), int(entry["workers"])
+    gpn = max(int(gpus_per_node), 1)
+    nodes = -(-per_worker // gpn)
+    pred = launch.get("predicted") or {}
+    gap = launch.get("gap_vs_plan")
     lines = ["#!/usr/bin/env bash",
-             f"# {name} launch script written by shardc: pool role {pool.role}.",
-             f"# Pool: {workers} worker(s) x {per_worker} GPUs = {workers * per_worker} GPUs "
-             f"({_describe(s)}).",
-             f"# Run once per worker: {shlex.quote('launch/' + script_name(engine, pool.role))} "
-             "WORKER (0 .. WORKERS-1) on that worker's GPUs;",
-             "# SHARDC_MODEL overrides the model path or hub name below."]
-    if plan_value is not None and not launch.reasons:
-        lines.append(f"# shardc predicts {plan_value:.1f} tok/s/GPU for this plan.")
-    if launch.reasons:
-        lines.append(f"# The plan is not expressible in {name}:")
-        lines += [f"#   - {one_line(r)}" for r in launch.reasons]  # names from the model
-        pred = "-" if launch.predicted is None else f"{launch.predicted:.1f}"
-        lines.append(f"# Nearest configuration {name} can express: {_describe(s)}, "
-                     f"predicted {pred} tok/s/GPU"
-                     + ("" if launch.feasible else " (infeasible under shardc's cost model)")
-                     + (f" vs the plan's {plan_value:.1f} tok/s/GPU" if plan_value is not None
-                        else "") + " (same cost model).")
-    if pool.role in ("prefill", "decode"):
+             f"# {name} launch script written by shardc: pool role {entry['role']}.",
+             f"# Flags checked against {one_line(table['checked_against'])}.",
+             f"# Pool: {workers} worker(s) x {per_worker} GPUs ({_describe(entry)}).",
+             f"# Run once per worker: {shlex.quote('launch/' + script_name(engine, entry['role']))}"
+             " WORKER (0 .. WORKERS-1); SHARDC_MODEL overrides the model id below."]
+    if pred.get("tok_s_per_gpu") is not None:
+        lines.append(f"# The best configuration {name} expresses (shardc's search in its space):"
+                     f" predicted {pred['tok_s_per_gpu']:.1f} tok/s/GPU"
+                     + ("" if gap is None else f", {100 * gap:+.1f}% vs the plan")
+                     + (" (the plan itself)." if launch.get("same_as_plan") else "."))
+    if entry["role"] in ("prefill", "decode"):
         lines.append("# Disaggregated: pair this pool with the "
-                     + ("decode" if pool.role == "prefill" else "prefill") + " pool's script"
+                     + ("decode" if entry["role"] == "prefill" else "prefill") + " pool's script"
                      + (" behind a router that sends each request to both." if engine == "sglang"
                         else " through a proxy (the KV cache moves by the NIXL connector)."))
     lines += ["set -euo pipefail", f"WORKERS={workers}", 'WORKER="${1:-0}"',
@@ -301,29 +280,59 @@ def render_script(pool: LaunchPool, launch: EngineLaunch, space: StrategySpace,
               "esac",
               'if [ "$WORKER" -ge "$WORKERS" ]; then echo "worker index must be below $WORKERS" '
               '>&2; exit 2; fi',
-              f"DEFAULT_MODEL={shlex.quote(pool.model)}",
+              f"DEFAULT_MODEL={shlex.quote(model_id or '')}"
+              + ("" if model_id else "  # no model id recorded: compile with --hf-id, or set "
+                                     "SHARDC_MODEL"),
               'MODEL="${SHARDC_MODEL:-$DEFAULT_MODEL}"',
+              'if [ -z "$MODEL" ]; then echo "no model id: set SHARDC_MODEL to a hub id or path '
+              '(or compile with --hf-id)" >&2; exit 2; fi',
+              'case "$MODEL" in -*) echo "model id must not start with -" >&2; exit 2;; esac',
               f"PORT=$(({BASE_PORTS[engine]} + WORKER))"]
-    if nodes > 1:
+    per_node = gpn // per_worker if per_worker <= gpn else 1
+    if per_worker < gpn and per_node > 1:  # several workers share a node: each its GPUs
+        lines += [f"# {per_node} workers per node of {gpn} GPUs: worker WORKER uses GPUs "
+                  f"(WORKER % {per_node}) x {per_worker} .. + {per_worker - 1} of its node.",
+                  f"FIRST_GPU=$(( (WORKER % {per_node}) * {per_worker} ))",
+                  'CUDA_VISIBLE_DEVICES="$(seq -s, "$FIRST_GPU" '
+                  f'"$((FIRST_GPU + {per_worker - 1}))")"',
+                  "export CUDA_VISIBLE_DEVICES"]
+    if nodes > 1 and engine in ("vllm", "sglang"):  # TensorRT-LLM: not scripted
         lines.append(f"# One worker spans {nodes} nodes: "
                      + ("start a Ray cluster over them first (vLLM's multi-node executor)."
                         if engine == "vllm" else
                         "run this on each with NODE_RANK 0.." + str(nodes - 1)
                         + " and DIST_INIT_ADDR host:port of rank 0."))
-    cmd = (["vllm", "serve", '"$MODEL"'] if engine == "vllm"
-           else ["python", "-m", "sglang.launch_server", "--model-path", '"$MODEL"'])
-    args = [f"{k} {shlex.quote(v)}" if v is not None else k for k, v in flags]
+    args = [f"{MODEL_FLAG[engine]}=\"$MODEL\""] if engine in MODEL_FLAG else []
+    i = 0
+    while i < len(flags):  # "--flag value" pairs and switches
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            args.append(f"{flags[i]} {shlex.quote(flags[i + 1])}")
+            i += 2
+        else:
+            args.append(flags[i])
+            i += 1
     if nodes > 1 and engine == "vllm":  # Ray places the ranks over the worker's nodes
-        d = s.degrees
-        if d.tp * d.pp > gpus_per_node:
+        d = entry["degrees"]
+        if d["tp"] * d["pp"] > gpn:
             args.append("--distributed-executor-backend ray")
-        if d.ep > 1:
+        if d["ep"] > 1:
             args.append("--data-parallel-backend ray")
-    elif nodes > 1:
+    elif nodes > 1 and engine == "sglang":
         args += [f"--nnodes {nodes}", '--node-rank "${NODE_RANK:?set NODE_RANK}"',
                  '--dist-init-addr "${DIST_INIT_ADDR:?set DIST_INIT_ADDR}"']
+    options = entry.get("llm_api_options") or {}
+    if options:  # fixed vocabulary (trtllm_attention_dp), one YAML line per option
+        known = set(table.get("llm_api_options", ()))
+        assert set(options) <= known, options
+        lines += ['EXTRA_OPTIONS="$(mktemp)"',
+                  "printf '%s\\n' " + " ".join(shlex.quote(f"{k}: {str(v).lower()}")
+                                              for k, v in sorted(options.items()))
+                  + ' > "$EXTRA_OPTIONS"']
+        args.append('--extra_llm_api_options "$EXTRA_OPTIONS"')
     args.append('--port "$PORT"')
-    lines.append("exec " + " ".join(cmd) + " \\")
+    if engine not in MODEL_FLAG:  # a positional model after "--": never read as an option
+        args += ["--", '"$MODEL"']
+    lines.append("exec " + " ".join(COMMAND[engine]) + " \\")
     lines += [f"    {a} \\" for a in args[:-1]] + [f"    {args[-1]}", ""]
     return "\n".join(lines)
 
@@ -332,18 +341,18 @@ def script_name(engine: str, role: str) -> str:
     return f"{engine}_{role}.sh"
 
 
-def launch_scripts(pool: LaunchPool, space: StrategySpace, evaluate,
-                   plan_value: float | None = None) -> dict[str, object]:
-    """``{"launch/<engine>_<role>.sh": writer}`` for both engines, ready for
-    :func:`shardc.backends.atomic.write_outputs` (each writer writes the text and makes the
-    file executable). ``evaluate``: actions [B, A] of ``space`` -> (tok/s/GPU [B],
-    feasible [B]), the evaluator that priced the plan (the search objective);
-    ``plan_value``: the plan's predicted tok/s/GPU, shown beside the nearest's."""
+def launch_scripts(launch: dict, model_id: str | None, gpus_per_node: int) -> dict[str, object]:
+    """``{"launch/<engine>_<role>.sh": writer}`` for every pool in plan.json ``launch`` with
+    a ``script`` (none for an engine without pools), ready for
+    :func:`shardc.backends.atomic.write_outputs`."""
     out: dict[str, object] = {}
-    for engine in ENGINES:
-        launch = nearest_expressible(engine, space, pool.strategy, evaluate)
-        text = render_script(pool, launch, space, plan_value, space.mesh.gpus_per_node)
-        out[f"launch/{script_name(engine, pool.role)}"] = _executable(text)
+    for engine in SCRIPT_ENGINES:
+        entry = launch.get(engine) or {}
+        for pool in entry.get("pools") or []:
+            if not pool.get("script"):
+                continue
+            text = render_script(engine, pool, entry, model_id, gpus_per_node)
+            out[f"launch/{script_name(engine, pool['role'])}"] = _executable(text)
     return out
 
 

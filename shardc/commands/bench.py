@@ -88,7 +88,6 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     from shardc.cost import CostModel, load_hardware
     from shardc.ir.space import StrategySpace, nvlink_tp_domain
     from shardc.ir.strategy import Mesh, Workload
-    from shardc.search import run_search
     from shardc.search.objective import cost_model_objective
 
     if case["phase"] == "serve":
@@ -110,7 +109,7 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
     for pol in policies:
         n = seeds if pol in SEEDED else 1
         opts = {"time_limit_s": exact_limit} if pol == "exact" else {}
-        results = [run_search(pol, space, objective, budget=budget, seed=s, **opts)
+        results = [_search(case, pol, space, cm, objective, budget, s, opts)
                    for s in range(n)]
         vals = np.array([r.best_value for r in results])
         row = {"case": case["name"], "policy": pol, "seeds": n, "mean": float(vals.mean()),
@@ -125,6 +124,23 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
         rows.append(row)
         curves[pol] = results[0].curve
     return {"rows": rows, "curves": curves}
+
+
+def _search(case: dict, policy: str, space, cm, objective, budget: int, seed: int, opts):
+    """One search of a case: the whole space, or the space of the case's ``runtime``
+    engine (:mod:`shardc.search.engine_search`; an engine expressing nothing: no plan)."""
+    from shardc.search import SearchResult, run_search
+    from shardc.search.engine_search import search_engine
+
+    runtime = case.get("runtime", "dtensor")
+    if runtime == "dtensor":
+        return run_search(policy, space, objective, budget=budget, seed=seed, **opts)
+    found = search_engine(policy, space, runtime, budget=budget, seed=seed, cost_model=cm,
+                          **opts)
+    if found is None:
+        return SearchResult(None, 0.0, 0, [], 0.0, policy, seed)
+    found.result.complete = found.complete
+    return found.result
 
 
 def _describe(space, action) -> str:
@@ -180,7 +196,10 @@ def run(args) -> int:
     for flag in ("weights", "kv_cache"):
         if getattr(args, flag):
             cases = [{**c, flag: getattr(args, flag)} for c in cases]
-    cases = [{**c, "kernels": args.kernels, "engine": args.engine} for c in cases]
+    from shardc.commands.compile import kernel_engine
+
+    cases = [{**c, "kernels": args.kernels, "engine": kernel_engine(args),
+              "runtime": args.runtime} for c in cases]
     if args.allow_cross_node_tp:
         cases = [{**c, "allow_cross_node_tp": True} for c in cases]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

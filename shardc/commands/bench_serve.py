@@ -49,6 +49,7 @@ def run_serve_case(case: dict, policies: list[str], budget: int, seeds: int,
                                    seed=s, extra_policies=(),
                                    kernels=case.get("kernels", "silicon"),
                                    engine=case.get("engine", "vllm"),
+                                   runtime=case.get("runtime", "dtensor"),
                                    allow_cross_node_tp=bool(case.get("allow_cross_node_tp")))
             except InfeasibleError:
                 vals.append(0.0)

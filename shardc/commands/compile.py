@@ -109,8 +109,28 @@ def add_kernel_arguments(p) -> None:
                         "hardware (h100, h200, b200 presets), roofline elsewhere; roofline: "
                         "the datasheet roofline everywhere; FILE.npz: this machine's kernels "
                         "measured by `shardc calibrate`")
-    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=list(ENGINES),
-                   help="whose measured kernels price the ops (with --kernels silicon)")
+    p.add_argument("--engine", default=None, choices=list(ENGINES),
+                   help="whose measured kernels price the ops (with --kernels silicon; default "
+                        f"the --runtime's engine, else {DEFAULT_ENGINE})")
+    add_runtime_argument(p)
+
+
+def add_runtime_argument(p) -> None:
+    """``--runtime dtensor|vllm|sglang|trtllm`` (compile, simulate, bench)."""
+    from shardc.ir.engines import RUNTIMES
+
+    p.add_argument("--runtime", default="dtensor", choices=list(RUNTIMES),
+                   help="dtensor: the whole strategy space (parallelize.py runs it); an "
+                        "engine: only what that engine's flags express, priced with its "
+                        "kernels (the plan is the engine's configuration)")
+
+
+def kernel_engine(args) -> str:
+    """The engine whose kernels price the ops: ``--engine``, else the ``--runtime``'s
+    engine, else vLLM's (InputError when --engine names another engine than --runtime)."""
+    from shardc.api import resolve_engine
+
+    return resolve_engine(args.runtime, args.engine)
 
 
 def workload_from_args(args) -> Workload:
@@ -137,6 +157,9 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--standalone", action="store_true",
                    help="parallelize.py on torch's parallel API importing only torch")
+    p.add_argument("--hf-id", default=None, metavar="ID",
+                   help="model id the launch scripts serve: a hub id (org/name) or a path "
+                        "(default: the config's _name_or_path)")
     add_cross_node_tp_argument(p)
 
 
@@ -232,7 +255,8 @@ def run(args) -> int:
             str(model_path), mesh=args.mesh, hardware=args.hardware, workload=workload,
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
             degrees=fixed, kernels=args.kernels, engine=args.engine,
-            allow_cross_node_tp=args.allow_cross_node_tp)
+            allow_cross_node_tp=args.allow_cross_node_tp, runtime=args.runtime,
+            hf_id=args.hf_id)
     finally:
         if bar is not None:
             bar.close()
@@ -251,9 +275,11 @@ def run(args) -> int:
     }
     if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
         files["parallelize.py"] = plan.code(standalone=args.standalone)
-    files.update(launch_files(plan, outcome))
+    files.update(launch_files(plan))
     written = write_outputs(out, files)
     print(summary_table(plan))
+    for line in launch_summary_lines(plan):
+        print(line)
     print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
     if from_onnx:
         from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE
@@ -262,23 +288,21 @@ def run(args) -> int:
     return 0
 
 
-def launch_files(plan, outcome) -> dict:
-    """``launch/{vllm,sglang}_<role>.sh`` of a single-phase plan: one pool, role
-    :func:`~shardc.backends.launch.role_for_phase` (decode -> mixed, prefill -> prefill),
-    max model length = the decode context or the prompt (tokens), memory fraction = the share
-    of HBM the cost model lets a plan fill (1 - the hardware's headroom)."""
-    from shardc.backends.launch import LaunchPool, launch_scripts, role_for_phase
-    from shardc.search import cost_model_objective
+def launch_files(plan) -> dict:
+    """``launch/{vllm,sglang}_<role>.sh`` of every pool in plan.json ``launch``: each the
+    best configuration its engine expresses (:mod:`shardc.launch_plan`); none for an engine
+    whose entry has no pools (its ``reason`` says why)."""
+    from shardc.backends.launch import launch_scripts
 
-    wl = plan.workload
-    pool = LaunchPool(
-        role=role_for_phase(wl["phase"]), strategy=outcome.strategy, model=plan.model["name"],
-        max_model_len=int(wl["context"] if wl["phase"] == "decode" else wl["prompt"]),
-        mem_fraction=1.0 - float(outcome.cost_model.hw.headroom),
-        kv_cache=str(wl.get("kv_cache") or "bf16"), weights=str(wl.get("weights") or "bf16"))
-    return launch_scripts(pool, outcome.space,
-                          cost_model_objective(outcome.cost_model, outcome.space),
-                          plan_value=plan.predicted.get("tok_s_per_gpu"))
+    return launch_scripts(plan.launch or {}, plan.model.get("hf_id"),
+                          int(plan.mesh["gpus_per_node"]))
+
+
+def launch_summary_lines(plan) -> list[str]:
+    """The summary's per-engine lines (:func:`shardc.launch_plan.launch_summary_lines`)."""
+    from shardc.launch_plan import launch_summary_lines as lines
+
+    return lines(plan)
 
 
 def _plot(path, outcome, plan) -> str:

@@ -4,7 +4,8 @@ Files: ``plan.json`` (schema 2 with ``serving``), ``parallelize.py`` (agg) or
 ``parallelize_prefill.py`` + ``parallelize_decode.py`` (disagg; each one pool's plan, the
 emitter of :meth:`shardc.plan.Plan.code`), ``pareto.png``, ``graph.txt`` / ``graph.dot`` /
 ``trace.json`` of the throughput-setting pool (mixed or decode), ``search.png``, and
-``launch/{vllm,sglang}_<role>.sh`` per pool (:mod:`shardc.backends.launch`). The summary
+``launch/{vllm,sglang}_<role>.sh`` per pool of each engine's best deployment
+(:mod:`shardc.launch_plan`). The summary
 names the choice, both modes' best, the baselines, the top alternatives with their deltas,
 the binding constraint and how the choice moves when both SLOs move by -20% / +20%.
 """
@@ -127,28 +128,6 @@ def _plot_search(path, plan, outcome) -> str:
                              best_practice=line("best_practice"))
 
 
-def serve_launch_files(plan, outcome) -> dict:
-    """``launch/{vllm,sglang}_<role>.sh`` for every pool of the chosen deployment: max model
-    length = isl + osl (tokens), memory fraction = 1 - the hardware's headroom; the nearest
-    expressible configuration is priced by the pool's own objective (for prefill: TTFT with
-    the KV transfer)."""
-    from shardc.backends.launch import LaunchPool, launch_scripts
-
-    wl = plan.workload
-    files = {}
-    for role, _workers, strategy, row in outcome.choice.pools:
-        pool = outcome.pools[role]
-        pool.objective.tag = "launch"  # rows priced here stay out of the search's tables
-        lp = LaunchPool(role=role, strategy=strategy, model=plan.model["name"],
-                        max_model_len=int(wl["isl"]) + int(wl["osl"]),
-                        mem_fraction=1.0 - float(pool.cost_model.hw.headroom),
-                        kv_cache=str(wl.get("kv_cache") or "bf16"),
-                        weights=str(wl.get("weights") or "bf16"))
-        files.update(launch_scripts(lp, pool.space, pool.objective,
-                                    plan_value=float(row["value"])))
-    return files
-
-
 def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     from shardc.commands.reports import graph_dot, graph_table, workload_note, write_outputs
 
@@ -169,8 +148,12 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
         else:
             for r, p in outcome.pool_plans.items():
                 files[f"parallelize_{r}.py"] = p.code(standalone=args.standalone)
-    files.update(serve_launch_files(plan, outcome))
+    from shardc.commands.compile import launch_files, launch_summary_lines
+
+    files.update(launch_files(plan))
     written = write_outputs(out, files)
     print(serve_summary(plan))
+    for line in launch_summary_lines(plan):
+        print(line)
     print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
     return 0

@@ -142,7 +142,9 @@ def run(args) -> int:
     domain = nvlink_tp_domain(mesh, hw.nvlink_domain, args.allow_cross_node_tp)
     if domain is not None and domain % deg.tp:
         raise InputError(f"--degrees tp={deg.tp}: {cross_node_tp_note(domain)}")
-    kernel_options = {"kernels": args.kernels, "engine": args.engine}
+    from shardc.commands.compile import kernel_engine
+
+    kernel_options = {"kernels": args.kernels, "engine": kernel_engine(args)}
     if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
         from shardc.cost.serving import pool_cost_model, pool_workload
         from shardc.serving import capped_batches, check_serve_positions
@@ -161,16 +163,22 @@ def run(args) -> int:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "
                              f"model and mesh ({space.values[name]})")
     tp_idx = space.values["tp"].index(deg.tp)
-    choices = parse_choices(args.choices, space, tp_idx)
+    candidates = [parse_choices(args.choices, space, tp_idx)]
+    if args.runtime != "dtensor":  # the engine's own per-op choices (each of its modes)
+        candidates = runtime_candidates(args, space, deg)
     batch = workload.batch
     if workload.phase == "serve":  # --batch caps the running sequences per replica
         space.values["batch"] = capped_batches(space.values["batch"], batch)
         batch = None
-    if batch is None:  # pick the best feasible batch candidate
-        acts = np.array([space.encode(Strategy(deg, b, choices)) for b in space.values["batch"]])
+    batches = space.values["batch"] if batch is None else [int(batch)]
+    rows = [(c, b) for c in candidates for b in batches]
+    if len(rows) > 1:  # pick the best feasible batch candidate (and engine mode)
+        acts = np.array([space.encode(Strategy(deg, b, c)) for c, b in rows])
         ev = cm.evaluate(acts, space)
         score = np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)
-        batch = space.values["batch"][int(np.argmax(score))] if ev.feasible.any() else 1
+        choices, batch = rows[int(np.argmax(score))] if ev.feasible.any() else (candidates[0], 1)
+    else:
+        choices, batch = rows[0]
     strategy = Strategy(deg, int(batch), choices)
     ex = cm.simulate(strategy)
     print(f"{graph.name} on {mesh} x {hw.name}, {workload.phase}, degrees "
@@ -194,3 +202,18 @@ def run(args) -> int:
     if not ex.feasible:
         raise InfeasibleError(f"strategy infeasible: {rejection_detail(cm, strategy)}")
     return 0
+
+
+def runtime_candidates(args, space: StrategySpace, deg) -> list[dict[str, int]]:
+    """The per-op choices ``--runtime``'s engine runs at these degrees (one per mode);
+    InputError when it cannot run them or when ``--choices`` asks for others."""
+    from shardc.ir.engines import ENGINE_NAMES, runtime_choices
+
+    if args.choices != "megatron":
+        raise InputError(f"--choices with --runtime {args.runtime}: the engine's per-op "
+                         "choices are its own (drop --choices, or use --runtime dtensor)")
+    out, why = runtime_choices(args.runtime, space, deg.tp, deg.ep, deg.sp)
+    if not out:
+        raise InputError(f"--runtime {args.runtime}: {ENGINE_NAMES[args.runtime]} cannot run "
+                         f"tp={deg.tp} ep={deg.ep} sp={deg.sp} here ({why})")
+    return out

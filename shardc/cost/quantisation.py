@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 
 from shardc.cost.roofline import memory_time
-
 from shardc.ir.strategy import FP8_SCALINGS  # noqa: E402,F401  (the Workload's values)
 
 DEFAULT_FP8_SCALING = "per-tensor"

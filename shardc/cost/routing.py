@@ -46,6 +46,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardc.ir.strategy import DEFAULT_ROUTING, ROUTING_KINDS, parse_routing  # noqa: F401
+
 DRAWS = 128  # Monte Carlo draws per grid point
 SEED = 20260
 _T_GRID = np.unique(np.round(np.geomspace(1, 1 << 22, 37)))  # tokens over the EP group

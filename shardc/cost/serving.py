@@ -38,10 +38,10 @@ from shardc.cost.capacity import kv_elems_per_token
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.model import CostModel
 from shardc.cost.scheduler import TOKEN_BUDGETS
-
-KV_RESERVATION = "paged"  # the KV tokens a mixed / decode pool reserves per sequence
 from shardc.ir.graph import Graph
 from shardc.ir.strategy import Mesh, Workload
+
+KV_RESERVATION = "paged"  # the KV tokens a mixed / decode pool reserves per sequence
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_REWRITTEN = ("phase", "batch", "context", "prompt")  # Workload fields a pool sets itself

@@ -97,6 +97,8 @@ class StrategySpace:
     # GPUs one tp group may span (:func:`nvlink_tp_domain`: tp must divide it); None = any
     # (``--allow-cross-node-tp``, or a caller pricing a given strategy)
     tp_domain: int | None = None
+    # (tp, ep) pairs a runtime expresses (:func:`shardc.ir.engines.mode_space`); None = all
+    allowed_tp_ep: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         check_positions(self.graph, self.workload)
@@ -165,9 +167,14 @@ class StrategySpace:
     def fixed_degrees_fit(self, tp, ep, pp) -> np.ndarray:
         """Whether degree values (arrays) agree with a fixed dp: tp * ep * pp = GPUs / dp."""
         prod = np.asarray(tp) * np.asarray(ep) * np.asarray(pp)
-        if self.replica_gpus is None:
-            return np.ones(np.shape(prod), dtype=bool)
-        return prod == self.replica_gpus
+        ok = (np.ones(np.shape(prod), dtype=bool) if self.replica_gpus is None
+              else prod == self.replica_gpus)
+        if self.allowed_tp_ep is not None:  # an engine's (tp, ep) pairs
+            tp_b, ep_b, _ = np.broadcast_arrays(np.asarray(tp), np.asarray(ep), prod)
+            pairs = np.array(self.allowed_tp_ep, dtype=np.int64).reshape(-1, 2)
+            key = tp_b.astype(np.int64) * (1 << 20) + ep_b
+            ok = ok & np.isin(key, pairs[:, 0] * (1 << 20) + pairs[:, 1])
+        return ok
 
     # ----------------------------------------------------------------- structure
     @property
@@ -232,7 +239,11 @@ class StrategySpace:
         m = self.op_masks(a[:, 0])
         ops = a[:, len(DEGREE_COMPONENTS):]
         ok_ops = np.take_along_axis(m, ops[:, :, None], axis=2)[:, :, 0].all(axis=1)
-        return ok_ops & self.degrees_valid(a)
+        ok = ok_ops & self.degrees_valid(a)
+        if self.allowed_tp_ep is not None:  # an engine's (tp, ep) pairs
+            deg = self.degree_arrays(a)
+            ok &= self.fixed_degrees_fit(deg["tp"], deg["ep"], deg["pp"])
+        return ok
 
     # ------------------------------------------------------------ encode / decode
     def decode(self, action) -> Strategy:

@@ -125,7 +125,9 @@ def sweep_actions(sampler: LegalSampler, templates) -> np.ndarray:
                         deg = np.zeros(N_DEG, dtype=np.int64)
                         deg[[TP, EP, PP, 3, 4]] = (t, e, p, s, b)
                         rows.extend(np.concatenate([deg, ops]) for ops in ops_rows)
-    return np.array(rows, dtype=np.int64).reshape(-1, len(nv))
+    acts = np.array(rows, dtype=np.int64).reshape(-1, len(nv))
+    # a runtime's restricted space (shardc.ir.engines) masks rows the templates propose
+    return acts[sampler.legal(acts)] if len(acts) else acts
 
 
 def megatron_actions(sampler: LegalSampler) -> np.ndarray:

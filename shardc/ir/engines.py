@@ -1,0 +1,234 @@
+"""What each serving engine can express, as data: the strategy subspace an engine runs.
+
+``--runtime dtensor`` (the default) searches the whole :class:`~shardc.ir.space.StrategySpace`
+(``parallelize.py`` runs any point of it). ``--runtime vllm|sglang|trtllm`` and every launch
+script search only what that engine's command line expresses. An engine is one or more
+*modes* (:class:`EngineMode`); a mode fixes the per-op choice of every op slot at each tp
+(one op row per tp: Megatron's column / row dims for the MLPs and experts, attention split
+by heads with KV heads replicated when tp exceeds them -- as the engines' QKV layers do -- or
+attention data-parallel inside the tp group) and says which degree combinations the engine
+has flags for. :func:`mode_spaces` turns each mode into a restricted copy of a space (same
+components and candidate values, so actions decode the same; narrower masks), which every
+searcher and the exact solver explore unchanged: the constraint lives in the masks, not in
+the evaluator.
+
+The degrees each engine spells (docs/deploy.md maps them to flags):
+
+* vLLM (``vllm serve``): ``--tensor-parallel-size tp --pipeline-parallel-size pp``; ep > 1
+  only at tp = 1 (``--data-parallel-size ep --enable-expert-parallel``: attention
+  data-parallel over the ep ranks, experts split over them: vLLM's expert-parallel size is
+  tp x dp); sequence parallelism through its compilation pass; attention split by heads.
+* SGLang (``python -m sglang.launch_server``): ``--tp-size tp*ep``; ep > 1 adds ``--dp-size
+  --enable-dp-attention --ep-size ep`` (attention tp = tp, experts split over ep with expert
+  tp = tp); a model with dense MLP or shared-expert layers runs those at the instance's whole
+  tp, so tp > 1 beside ep > 1 is not expressible there (tp = 1: ``--moe-dense-tp-size 1``);
+  attention data-parallel inside the tp group (``--enable-dp-attention``); no sequence
+  parallelism.
+* TensorRT-LLM (``trtllm-serve``): ``--tp_size tp*ep --ep_size ep`` (expert tp = tp);
+  attention runs tensor-parallel over the whole tp_size or data-parallel over every rank
+  (``enable_attention_dp``), so ep > 1 needs tp = 1 or attention data-parallel; dense layers
+  beside tp > 1 and ep > 1 as in SGLang; no sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardc.ir.space import MEGATRON_CHOICE, StrategySpace, megatron_op_choices
+
+RUNTIMES = ("dtensor", "vllm", "sglang", "trtllm")
+ENGINES = RUNTIMES[1:]
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+COL, ROW, REP = 0, 1, 2  # choice indices of the contract (shardc.ir.contract)
+# attention split by heads (column qkv, heads, row out-proj): the engines' default
+ATTENTION_HEADS = {"qkv": COL, "attn_core": COL, "out_proj": ROW}
+# attention data-parallel inside the tp group: weights replicated, sequences split
+ATTENTION_DP = {"qkv": REP, "attn_core": ROW, "out_proj": REP}
+# ops an engine always splits when the tp degree is > 1 (it refuses a tp that does not
+# divide them); any other op falls back to replicated where its dim does not divide (the
+# MLA down-projections, an odd vocabulary)
+SPLIT_REQUIRED = ("attn_core", "ffn1", "ffn2", "expert_ffn1", "expert_ffn2", "shared_ffn1",
+                  "shared_ffn2")
+DENSE_MLP_OPS = ("ffn1", "shared_ffn1")
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """One way an engine runs a model. ``attention``: "heads" or "dp" (data-parallel inside
+    the tp group; a mode with tp > 1 only); ``ep_with_tp``: ep > 1 allowed beside tp > 1
+    (experts split over tp inside each ep group); ``dense_with_tp_ep``: a dense MLP (or
+    shared experts) allowed at tp beside ep > 1; ``sequence_parallel``: sp on allowed."""
+
+    name: str
+    attention: str
+    ep_with_tp: bool
+    dense_with_tp_ep: bool
+    sequence_parallel: bool
+
+
+ENGINE_MODES: dict[str, tuple[EngineMode, ...]] = {
+    "vllm": (EngineMode("tp", "heads", ep_with_tp=False, dense_with_tp_ep=False,
+                        sequence_parallel=True),),
+    "sglang": (EngineMode("tp", "heads", ep_with_tp=True, dense_with_tp_ep=False,
+                          sequence_parallel=False),
+               EngineMode("dp-attention", "dp", ep_with_tp=True, dense_with_tp_ep=False,
+                          sequence_parallel=False)),
+    "trtllm": (EngineMode("tp", "heads", ep_with_tp=False, dense_with_tp_ep=False,
+                          sequence_parallel=False),
+               EngineMode("attention-dp", "dp", ep_with_tp=True, dense_with_tp_ep=False,
+                          sequence_parallel=False)),
+}
+
+
+def _ops(space: StrategySpace) -> list[str]:
+    return [slot.split(".")[-1] for slot in space.op_slots]
+
+
+def has_dense_mlp(space: StrategySpace) -> bool:
+    """Whether some layer has a dense MLP or shared experts."""
+    return any(op in DENSE_MLP_OPS for op in _ops(space))
+
+
+def mode_row(space: StrategySpace, mode: EngineMode, tp_idx: int) -> np.ndarray | None:
+    """[n_slots] the op choices ``mode`` runs at candidate ``tp_idx`` (at tp = 1 every op
+    is whole: Megatron's names, what the cost model charges the same), or None when the
+    engine cannot run this tp (an op it always splits does not divide, or data-parallel
+    attention at tp = 1, which is the heads mode)."""
+    tp = space.values["tp"][int(tp_idx)]
+    mask = space.op_mask_by_tp[int(tp_idx)]
+    if tp == 1:
+        if mode.attention == "dp":
+            return None
+        return megatron_op_choices(space, tp_idx)
+    attention = ATTENTION_DP if mode.attention == "dp" else ATTENTION_HEADS
+    row = np.empty(len(space.op_slots), dtype=np.int64)
+    for i, op in enumerate(_ops(space)):
+        c = attention.get(op, MEGATRON_CHOICE[op])
+        if mask[i, c]:
+            row[i] = c
+        elif op in SPLIT_REQUIRED or not mask[i, REP]:
+            return None
+        else:
+            row[i] = REP
+    return row
+
+
+def degree_pairs(space: StrategySpace, mode: EngineMode, tps) -> tuple[tuple[int, int], ...]:
+    """The (tp, ep) values of ``space`` that ``mode`` expresses, for the tp values ``tps``."""
+    dense = has_dense_mlp(space)
+    out = []
+    for tp in tps:
+        for ep in space.values["ep"]:
+            if tp > 1 and ep > 1 and (not mode.ep_with_tp or (dense and not mode.dense_with_tp_ep)):
+                continue
+            out.append((int(tp), int(ep)))
+    return tuple(out)
+
+
+def mode_space(space: StrategySpace, mode: EngineMode) -> StrategySpace | None:
+    """``space`` restricted to what ``mode`` expresses (None when nothing is): same
+    components and candidate values, every op slot's mask one choice per tp, the (tp, ep)
+    pairs it has flags for, sp off where the engine has none."""
+    rows = {t: mode_row(space, mode, t) for t in range(len(space.values["tp"]))}
+    tps = [space.values["tp"][t] for t, r in rows.items() if r is not None]
+    if not tps:
+        return None
+    out = copy.copy(space)
+    out.values = dict(space.values)
+    if not mode.sequence_parallel:
+        if 0 not in space.values["sp"]:
+            return None  # the user fixed sp on
+        out.values["sp"] = [0]
+    mask = np.zeros_like(space.op_mask_by_tp)
+    for t, r in rows.items():
+        if r is not None:
+            mask[t, np.arange(len(r)), r] = True
+        else:  # unreachable (degree_pairs drops this tp); keep every slot samplable
+            mask[t, :, REP] = True
+    out.op_mask_by_tp = mask
+    pairs = degree_pairs(space, mode, tps)
+    if not pairs:
+        return None
+    out.allowed_tp_ep = pairs
+    return out
+
+
+def mode_spaces(space: StrategySpace, engine: str) -> list[tuple[EngineMode, StrategySpace]]:
+    """Every mode of ``engine`` with its restricted space (modes that express nothing left
+    out); with fixed degrees (``--degrees``) the restriction applies inside them."""
+    if engine not in ENGINE_MODES:
+        raise ValueError(f"unknown engine {engine!r}")
+    out = []
+    for mode in ENGINE_MODES[engine]:
+        ms = mode_space(space, mode)
+        if ms is not None and _any_degrees(ms):
+            out.append((mode, ms))
+    return out
+
+
+def _any_degrees(space: StrategySpace) -> bool:
+    """Whether some (tp, ep, pp) of the restricted space tiles the mesh."""
+    world = space.mesh.gpus
+    for tp, ep in space.allowed_tp_ep:
+        for pp in space.values["pp"]:
+            if world % (tp * ep * pp) == 0 and bool(space.fixed_degrees_fit(tp, ep, pp)):
+                return True
+    return False
+
+
+def strategy_mode(engine: str, space: StrategySpace, strategy) -> EngineMode | None:
+    """The mode of ``engine`` that runs ``strategy`` as it is (None: none does)."""
+    d = strategy.degrees
+    for mode in ENGINE_MODES[engine]:
+        if d.sp > 1 and not mode.sequence_parallel:
+            continue
+        if d.tp not in space.values["tp"]:
+            continue
+        row = mode_row(space, mode, space.values["tp"].index(d.tp))
+        if row is None or (d.tp, d.ep) not in degree_pairs(space, mode, [d.tp]):
+            continue
+        if all(int(strategy.choices[s]) == int(c) for s, c in zip(space.op_slots, row)):
+            return mode
+    return None
+
+
+def uses_dp_attention(space: StrategySpace, strategy) -> bool:
+    """Every attention op of ``strategy`` runs data-parallel inside its tp group (tp > 1)."""
+    att = [(s, op) for s, op in zip(space.op_slots, _ops(space)) if op in ATTENTION_DP]
+    return (strategy.degrees.tp > 1 and bool(att)
+            and all(int(strategy.choices[s]) == ATTENTION_DP[op] for s, op in att))
+
+
+__all__ = ["RUNTIMES", "ENGINES", "ENGINE_NAMES", "ENGINE_MODES", "EngineMode", "mode_spaces",
+           "mode_space", "mode_row", "strategy_mode", "uses_dp_attention", "has_dense_mlp"]
+
+
+def runtime_choices(engine: str, space: StrategySpace, tp: int, ep: int, sp: int
+                    ) -> tuple[list[dict[str, int]], str]:
+    """The per-op choices of every mode of ``engine`` that runs degrees (tp, ep, sp) in
+    ``space`` ([{slot: choice}], one per mode), and why none does when the list is empty."""
+    name = ENGINE_NAMES[engine]
+    if tp not in space.values["tp"]:
+        return [], f"tp={tp} is not a candidate here"
+    t = space.values["tp"].index(tp)
+    out, why = [], []
+    for mode in ENGINE_MODES[engine]:
+        row = mode_row(space, mode, t)
+        if row is None:
+            if not (tp == 1 and mode.attention == "dp"):
+                why.append(f"{mode.name}: an op {name} always splits does not divide by tp={tp}")
+            continue
+        if sp > 1 and not mode.sequence_parallel:
+            why.append(f"{mode.name}: no sequence parallelism")
+            continue
+        if (tp, ep) not in degree_pairs(space, mode, [tp]):
+            why.append(f"{mode.name}: " + ("dense MLP layers at tp beside ep (they run at the "
+                                            "instance's whole tp)" if mode.ep_with_tp else
+                                            "experts split over tp inside ep groups (its expert "
+                                            "parallelism spans all of an instance's ranks)"))
+            continue
+        out.append({s: int(c) for s, c in zip(space.op_slots, row)})
+    return out, "; ".join(why)

@@ -1,0 +1,98 @@
+"""The search in the space a serving engine expresses (``--runtime vllm|sglang|trtllm``, and
+every launch script): each of the engine's modes (:func:`shardc.ir.engines.mode_spaces`) is
+a restricted copy of the space, searched by the same searchers with the same rules; the best
+over the modes is the engine's plan.
+
+``exact`` in an engine's space: every mode fixes one op row per tp, so the space is its
+degrees x batches; :func:`exact_sweep` evaluates all of them in a few vectorised calls (the
+generic solver's per-degree-tuple calls would pay the evaluator's fixed cost per row).
+
+Budget: a budgeted searcher (rl, sa, rw, ga) gets ``budget // modes`` evaluations per mode
+(at least 1), so the whole search spends the budget it was given; the sweeps (exact,
+megatron, best_practice) run whole in every mode. ``exact`` is complete when every mode's
+sweep is (then the value is the optimum of the engine's space under the cost model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardc.ir.engines import EngineMode, mode_spaces
+from shardc.search import SWEEPS, SearchResult, cost_model_objective, run_search
+from shardc.search.baselines import sweep_actions
+from shardc.search.exact import EXACT_TIME_LIMIT_S
+from shardc.search.legal import LegalSampler
+from shardc.search.objective import Budget
+
+
+@dataclass
+class EngineSearch:
+    """The engine's best: ``result`` (over every mode; ``best_action`` decodes in ``space``
+    and in the unrestricted space alike), the ``space`` and ``mode`` it came from, and
+    ``complete`` (False when some mode's exact sweep hit its time limit)."""
+
+    engine: str
+    result: SearchResult
+    space: object
+    mode: EngineMode | None
+    complete: bool
+    evaluations: int
+
+
+def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int = 0,
+                  cost_model=None, objective_for=None, progress=None,
+                  **options) -> EngineSearch | None:
+    """Search ``engine``'s modes of ``space`` with ``policy``; None when the engine expresses
+    nothing here. ``objective_for(mode_space)`` gives each mode's objective (default: the
+    ``cost_model``'s); ``exact`` is :func:`exact_sweep`."""
+    modes = mode_spaces(space, engine)
+    if not modes:
+        return None
+    if objective_for is None:
+        def objective_for(ms):
+            return cost_model_objective(cost_model, ms)
+    per_mode = budget if policy in SWEEPS else max(int(budget) // len(modes), 1)
+    best: EngineSearch | None = None
+    complete, evals = True, 0
+    for mode, ms in modes:
+        if policy == "exact":
+            r = exact_sweep(ms, objective_for(ms), seed, progress, **options)
+        else:
+            r = run_search(policy, ms, objective_for(ms), budget=per_mode, seed=seed,
+                           progress=progress, **options)
+        complete &= bool(r.complete)
+        evals += int(r.evaluations)
+        if r.best_action is None or not np.isfinite(r.best_value):
+            if best is None:
+                best = EngineSearch(engine, r, ms, mode, True, 0)
+            continue
+        if best is None or best.result.best_action is None or r.best_value > best.result.best_value:
+            best = EngineSearch(engine, r, ms, mode, True, 0)
+    best.complete, best.evaluations = complete, evals
+    return best
+
+
+def exact_sweep(space, objective, seed: int = 0, progress=None, *,
+                time_limit_s: float = EXACT_TIME_LIMIT_S, chunk: int = 4096) -> SearchResult:
+    """Every legal action of a mode space (one op row per tp: :func:`mode_spaces`) through
+    ``objective``, in chunks; ``complete`` False when ``time_limit_s`` stopped it."""
+    import time
+
+    t0 = time.perf_counter()
+    sampler = LegalSampler(space)
+    rows = space.op_mask_by_tp.argmax(axis=2)  # [n_tp, n_slots]: the mode's one choice
+    assert (space.op_mask_by_tp.sum(axis=2) == 1).all(), "not an engine mode space"
+    acts = sweep_actions(sampler, lambda t: rows[t])
+    meter = Budget(objective, None, progress)
+    complete = True
+    for i in range(0, len(acts), chunk):
+        meter(acts[i:i + chunk])
+        if time.perf_counter() - t0 > time_limit_s and i + chunk < len(acts):
+            complete = False
+            break
+    return SearchResult(best_action=meter.best_action, best_value=meter.best_value,
+                        evaluations=meter.evaluations, curve=meter.curve,
+                        wall_s=time.perf_counter() - t0, policy="exact", seed=seed,
+                        complete=complete)
