@@ -135,7 +135,10 @@ def serve_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload, fixed,
     pools = []
     for role, workers, strategy, _row in out.choice.pools:
         s = replace(strategy, degrees=replace(strategy.degrees, dp=int(workers)))
-        pools.append(LaunchPool.of(role, s, out.pools[role].space, length, mem, **fmt))
+        pred = out.pools[role].cost_model.simulate(strategy).predicted
+        sched = (pred.get("breakdown") or {}).get("scheduler")
+        pools.append(LaunchPool.of(role, s, out.pools[role].space, length, mem, **fmt,
+                                   scheduler=sched))
     pred = out.choice.predicted()
     return _entry(engine, pools, _numbers(pred), plan_value, same, None, search,
                   mesh.gpus_per_node)

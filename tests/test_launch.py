@@ -162,12 +162,16 @@ def test_every_flag_engine_flags_can_write_is_in_the_checked_lists():
                 s = space.decode(a)
                 for role in ("mixed", "prefill", "decode"):
                     for fmt in ("bf16", "fp8"):
-                        pool = LaunchPool.of(role, s, space, 4096, 0.9, fmt, fmt)
+                        sched = {"max_batched_tokens": 4096, "prefill_budget_tokens": 4000}
+                        pool = LaunchPool.of(role, s, space, 4096, 0.9, fmt, fmt,
+                                             sched if role == "mixed" else None)
                         seen[engine] |= {f for f in engine_flags(engine, pool)
                                          if f.startswith("--")}
         assert seen[engine] <= set(engine_flag_table()[engine]["flags"])
     assert {"--data-parallel-size", "--enable-expert-parallel"} <= seen["vllm"]
     assert {"--enable-dp-attention", "--ep-size", "--moe-dense-tp-size"} <= seen["sglang"]
+    assert "--max-num-batched-tokens" in seen["vllm"] and "--max_num_tokens" in seen["trtllm"]
+    assert "--chunked-prefill-size" in seen["sglang"]
 
 
 @needs_bash

@@ -184,3 +184,27 @@ def test_serve_pools_record_the_scheduler_and_kv_reservation(plans):
             else:
                 kv = pool["kv_reservation"]
                 assert kv["rule"] == "paged" and 256 < kv["tokens_per_sequence"] <= 256 + 64
+
+
+def test_launch_flags_carry_the_priced_token_budget(plans):
+    """The aggregated pool's scripts run the token budget the plan priced: vLLM
+    --max-num-batched-tokens (per data-parallel rank), SGLang --chunked-prefill-size (its
+    prompt part); the engine's own best pool carries the budget its own pricing chose."""
+    plan = plans["agg"].to_dict()
+    checked = 0
+    for engine, flag in (("vllm", "--max-num-batched-tokens"), ("sglang", "--chunked-prefill-size")):
+        entry = plan["launch"][engine]
+        for pool in entry["pools"]:
+            if pool["role"] != "mixed":
+                continue
+            flags = pool["flags"]
+            assert flag in flags, (engine, flags)
+            value = int(flags[flags.index(flag) + 1])
+            if entry["same_as_plan"]:
+                sched = plan["serving"]["pools"][0]["scheduler"]
+                want = (max(sched["max_batched_tokens"] // pool["degrees"]["ep"],
+                            pool["batch"] // pool["degrees"]["ep"])
+                        if engine == "vllm" else sched["prefill_budget_tokens"])
+                assert value == want
+            checked += 1
+    assert checked >= 2

@@ -107,7 +107,10 @@ class LaunchPool:
     ``batch`` (max running sequences per instance) and per-op choices; ``max_model_len``
     (tokens), ``mem_fraction`` (of each GPU's HBM the engine may fill, 0-1),
     ``kv_cache`` / ``weights`` (bf16 | fp8); ``dense_mlp``: the model has dense MLP or
-    shared-expert layers; ``dp_attention``: attention runs data-parallel inside the tp group.
+    shared-expert layers; ``dp_attention``: attention runs data-parallel inside the tp group;
+    ``token_budget`` / ``prefill_chunk`` (tokens per engine step, an aggregated pool's
+    scheduler as plan.json ``serving.pools[].scheduler`` prices it: ``max_batched_tokens`` and
+    its prompt part ``prefill_budget_tokens``; None: the engine's default).
     Numbers are validated here, so nothing unchecked reaches a script."""
 
     role: str
@@ -118,6 +121,8 @@ class LaunchPool:
     weights: str = "bf16"
     dense_mlp: bool = False
     dp_attention: bool = False
+    token_budget: int | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -132,13 +137,24 @@ class LaunchPool:
         for name in ("tp", "ep", "pp", "dp", "sp"):
             check_number(getattr(d, name), f"launch {name}", integer=True, minimum=1)
         check_number(self.strategy.batch, "launch batch", integer=True, minimum=1)
+        for what, value in (("token budget", self.token_budget),
+                            ("prefill chunk", self.prefill_chunk)):
+            if value is not None:
+                check_number(value, f"launch {what}", integer=True, minimum=1,
+                             maximum=MAX_TOKENS, unit="tokens")
 
     @classmethod
     def of(cls, role: str, strategy: Strategy, space, max_model_len: int, mem_fraction: float,
-           kv_cache: str = "bf16", weights: str = "bf16") -> LaunchPool:
-        """The pool of ``strategy`` in ``space`` (reads the model's layer structure)."""
+           kv_cache: str = "bf16", weights: str = "bf16",
+           scheduler: dict | None = None) -> LaunchPool:
+        """The pool of ``strategy`` in ``space`` (reads the model's layer structure);
+        ``scheduler``: the pool's priced token budget (plan.json ``serving.pools[].scheduler``)."""
+        sched = scheduler or {}
+        budget = sched.get("max_batched_tokens")
+        chunk = sched.get("prefill_budget_tokens")
         return cls(role, strategy, int(max_model_len), float(mem_fraction), kv_cache, weights,
-                   has_dense_mlp(space), uses_dp_attention(space, strategy))
+                   has_dense_mlp(space), uses_dp_attention(space, strategy),
+                   int(budget) if budget else None, int(chunk) if chunk else None)
 
 
 def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
@@ -153,9 +169,12 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
             out += ["--data-parallel-size", str(d.ep), "--enable-expert-parallel"]
         if d.sp > 1:
             out += ["--compilation-config", VLLM_SEQUENCE_PARALLEL]
-        out += ["--max-num-seqs", str(max(batch // d.ep, 1)),  # per data-parallel rank
+        seqs = max(batch // d.ep, 1)  # per data-parallel rank
+        out += ["--max-num-seqs", str(seqs),
                 "--max-model-len", str(int(pool.max_model_len)),
                 "--gpu-memory-utilization", mem, "--kv-cache-dtype", kv]
+        if pool.token_budget:  # per data-parallel rank; vLLM wants at least max-num-seqs
+            out += ["--max-num-batched-tokens", str(max(pool.token_budget // d.ep, seqs))]
         if pool.weights == "fp8":
             out += ["--quantization", "fp8"]
         if pool.role in ("prefill", "decode"):
@@ -175,6 +194,8 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
         out += ["--max-running-requests", str(batch),
                 "--context-length", str(int(pool.max_model_len)),
                 "--mem-fraction-static", mem, "--kv-cache-dtype", kv]
+        if pool.prefill_chunk:  # the prompt tokens one step takes
+            out += ["--chunked-prefill-size", str(pool.prefill_chunk)]
         if pool.weights == "fp8":
             out += ["--quantization", "fp8"]
         if pool.role in ("prefill", "decode"):
@@ -187,9 +208,12 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
     out = ["--tp_size", str(d.tp * d.ep), "--pp_size", str(d.pp)]
     if d.ep > 1:
         out += ["--ep_size", str(d.ep)]
-    return out + ["--max_batch_size", str(max(batch // ranks, 1)),
-                  "--max_seq_len", str(int(pool.max_model_len)),
-                  "--kv_cache_free_gpu_memory_fraction", mem]
+    out += ["--max_batch_size", str(max(batch // ranks, 1)),
+            "--max_seq_len", str(int(pool.max_model_len)),
+            "--kv_cache_free_gpu_memory_fraction", mem]
+    if pool.token_budget:  # tokens of one step, per attention data-parallel rank
+        out += ["--max_num_tokens", str(max(pool.token_budget // ranks, max(batch // ranks, 1)))]
+    return out
 
 
 def trtllm_attention_dp(pool: LaunchPool) -> bool:
