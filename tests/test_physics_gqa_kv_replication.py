@@ -11,7 +11,6 @@ from test_backend_gloo import DENSE, TOL, D, _with
 
 from shardc.backends.verify import Case, run_suites
 from shardc.cost import CostModel
-from shardc.errors import InputError
 from shardc.ir.contract import kv_head_replicas, legal, op_choice
 from shardc.ir.space import StrategySpace, megatron_op_choices
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
@@ -136,10 +135,23 @@ def test_plan_json_places_one_kv_head_per_rank(gqa_plans):
     assert plans["megatron dims"].model["kv_heads"] == 2
 
 
-def test_standalone_refuses_replicated_kv_heads_clearly(gqa_plans):
+def test_standalone_file_repeats_kv_heads_with_torch_styles(gqa_plans):
+    """The standalone file (imports only torch) places one KV head per rank: the k / v
+    projections' heads are repeated before their split (col: the weight; row: the partial
+    sums before the reduce-scatter; rep: the output before the slice) and the attention
+    module reads H / tp query heads per KV head."""
     _, plans, _ = gqa_plans
-    with pytest.raises(InputError, match="over 2 KV heads .*replicated over 2 ranks"):
-        plans["megatron dims"].code(standalone=True)
+    code = plans["megatron dims"].code(standalone=True)
+    assert "import shardc" not in code and "from shardc" not in code
+    assert "'self_attn.k_proj': WeightColwiseParallel(out_dim=0, kv_repeat=(8, 2))" in code
+    assert "'self_attn.q_proj': ColwiseParallel()" in code
+    assert "'self_attn': GroupedKVAttention(kv_replicas=2)" in code
+    row = plans["qkv row"].code(standalone=True)
+    assert "WeightRowwiseParallel(in_dim=1, input_layouts=Replicate(), " \
+        "output_layouts=Shard(-1), kv_repeat=(8, 2))" in row
+    rep = plans["qkv rep"].code(standalone=True)
+    assert "ReplicateParallel(input_layouts=Replicate(), output_layouts=Shard(-1), " \
+        "kv_repeat=(8, 2))" in rep
 
 
 def test_default_runtime_matches_the_unsharded_model(gqa_plans):
@@ -147,7 +159,7 @@ def test_default_runtime_matches_the_unsharded_model(gqa_plans):
     cases = []
     for name, plan in plans.items():
         path = tmp / f"{name.replace(' ', '_')}.py"
-        path.write_text(plan.code())
+        path.write_text(plan.code(standalone=True))
         cases.append(Case(name, {}, {}, None, code=str(path)))
     cases.append(Case("megatron dims, KV cache", {}, {}, None,
                       code=str(tmp / "megatron_dims.py"), kv_cache=2))

@@ -35,9 +35,11 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
 _RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "FullWidthNormParallel",
-                  "HeadParallelAttention", "PrepareHiddenStates", "ReplicateParallel",
-                  "RouterParallel", "WeightColwiseParallel", "WeightRowwiseParallel",
-                  "decoder_layers", "install_batch_split", "keep_stage", "pipeline", "submesh")
+                  "GroupedKVAttention", "HeadParallelAttention",
+                  "PrepareHiddenStates", "ReplicateParallel", "RouterParallel",
+                  "WeightColwiseParallel", "WeightRowwiseParallel",
+                  "decoder_layers", "install_batch_split", "keep_stage",
+                  "pipeline", "submesh")
 _STANDALONE_NOTE = ("\n\nStandalone: imports only torch; shardc's few ParallelStyles (what torch "
                     "lacks) are\ninlined below, ahead of the plan.")
 

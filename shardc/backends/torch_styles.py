@@ -63,6 +63,8 @@ class KindPlan:
     notes: list[str]  # per branch: the choices and the collectives of its walk
     entries: list[Entry] = field(default_factory=list)
     experts: Entry | None = None  # applied on the ep x tp mesh
+    kv_replicas: int = 1  # GQA heads split at tp > kv_heads: ranks holding each KV head
+    heads: int = 0  # query heads (plan.json model.heads), read when kv_replicas > 1
 
 
 @dataclass
@@ -261,9 +263,10 @@ def style_plan(plan) -> StylePlan:
         kp = KindPlan(str(kind), [int(i) for i in layers], [])
         kv_heads = int(plan.model.get("kv_heads") or 0)
         if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0:
-            raise NotCovered(f"{kind}: attention split by heads at tp={tp} over {kv_heads} KV "
-                             f"heads (each KV head replicated over {tp // kv_heads} ranks) is "
-                             "not covered by torch's styles")
+            if tp % kv_heads:
+                raise NotCovered(f"{kind}: heads split at tp={tp} over {kv_heads} KV heads")
+            kp.kv_replicas = tp // kv_heads
+            kp.heads = int(plan.model.get("heads") or 0)
         branches = ["attention"] + (["mlp"] if "ffn1" in lm.ops else []) \
             + (["shared_experts"] if "shared_ffn1" in lm.ops else []) \
             + (["router", "experts"] if "expert_ffn1" in lm.ops else [])
@@ -420,10 +423,14 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
         src = _prepare(kp, attn, branch, res, attn_in, "qkv")
         if not batch:
             code = _style("qkv", qkv, src)
+            kv_mods = _kv_modules(kp, lm) if qkv.after == "S(1)" else {}
             for mod in lm.ops.get("qkv", []) if code else []:
-                kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
+                kp.entries.append(Entry(mod, _kv_repeat(_for_weight(code, lm.weight_of(mod)),
+                                                        kv_mods.get(mod), kp.kv_replicas),
                                         f"qkv {qkv.choice.name}: " + _collectives(
-                                            src, qkv.need, qkv.produced, qkv.after)))
+                                            src, qkv.need, qkv.produced, qkv.after)
+                                        + ("; KV heads repeated x"
+                                           f"{kp.kv_replicas}" if mod in kv_mods else "")))
             if qkv.after == "S(1)":
                 _heads_split(kp, lm, attn)
         code = _style("out_proj", out, core.produced)
@@ -445,6 +452,38 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
         src = s.after
 
 
+def _kv_modules(kp: KindPlan, lm: LayerModules) -> dict[str, int]:
+    """k / v projections of GQA attention whose KV heads are replicated (heads split at
+    tp > kv_heads): module suffix -> head_dim. They are the separate (unpacked) qkv
+    projections narrower than the query projection, whose width is ``heads x head_dim``."""
+    if kp.kv_replicas == 1:
+        return {}
+    rows = {m: lm.weight_of(m) for m in lm.ops.get("qkv", [])}
+    if any(r is None or r.get("parts") or len(r["shape"]) != 2 for r in rows.values()):
+        raise NotCovered(f"{kp.kind}: KV heads replicated (tp > kv_heads) with packed or "
+                         "non-linear q|k|v projections")
+    widths = {m: int(r["shape"][int((r.get("split_dims") or (0, 1))[0])])
+              for m, r in rows.items()}
+    widest = max(widths.values())
+    if not kp.heads or widest % kp.heads:
+        raise NotCovered(f"{kp.kind}: KV heads replicated, but the query heads are unknown")
+    head_dim = widest // kp.heads
+    return {m: head_dim for m, w in widths.items() if w < widest}
+
+
+def _kv_repeat(code: str | None, head_dim: int | None, copies: int) -> str | None:
+    """``code`` of a k / v projection with ``kv_repeat=(head_dim, copies)`` added (integers):
+    the heads are repeated before the split (col: the weight; row: the partial sums; rep:
+    the output), so each rank gets the one KV head its query heads read."""
+    if code is None or head_dim is None:
+        return code
+    if code.startswith("ColwiseParallel("):
+        code = "WeightColwiseParallel(out_dim=0" + (", " if code[16:-1] else "") + code[16:]
+    elif code.startswith("RowwiseParallel("):
+        code = "WeightRowwiseParallel(in_dim=1" + (", " if code[16:-1] else "") + code[16:]
+    return f"{code[:-1]}, kv_repeat=({int(head_dim)}, {int(copies)}))"
+
+
 def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
     """What a heads split needs beyond the column-parallel projections: an attention module
     whose q|k|v come packed in one weight sizes its head views from attributes
@@ -458,6 +497,18 @@ def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
         else:  # one style per module: the heads split also moves the input
             prep.style = prep.style.replace("PrepareHiddenStates(", "HeadParallelAttention(")
             prep.comment += "; " + note
+    if kp.kv_replicas > 1:
+        note = f"attn_core heads: each KV head on {kp.kv_replicas} ranks"
+        prep = next((e for e in kp.entries if e.suffix == attn), None)
+        if prep is None:
+            kp.entries.append(Entry(attn, f"GroupedKVAttention(kv_replicas={kp.kv_replicas})",
+                                    note))
+        elif prep.style.startswith("PrepareHiddenStates("):
+            prep.style = (f"GroupedKVAttention(kv_replicas={kp.kv_replicas}, "
+                          + prep.style[len("PrepareHiddenStates("):])
+            prep.comment += "; " + note
+        else:
+            raise NotCovered(f"{kp.kind}: KV heads replicated with {prep.style}")
     for mod in _full_width_qk_norms(lm, attn):
         kp.entries.append(Entry(mod, "FullWidthNormParallel()",
                                 "norm over all heads: all_reduce of the sum of squares"))

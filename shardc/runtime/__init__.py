@@ -24,6 +24,7 @@ from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.styles import (
     BatchSplitAttention,
     FullWidthNormParallel,
+    GroupedKVAttention,
     HeadParallelAttention,
     PrepareHiddenStates,
     ReplicateParallel,
@@ -36,8 +37,9 @@ SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
-           "HeadParallelAttention", "PIPELINE_SOURCES", "PrepareHiddenStates",
-           "PrepareModuleInput", "Replicate", "ReplicateParallel", "RouterParallel",
-           "RowwiseParallel", "SOURCES", "Shard", "WeightColwiseParallel",
-           "WeightRowwiseParallel", "apply_plan", "decoder_layers", "install_batch_split",
-           "keep_stage", "make_mesh", "parallelize_module", "pipeline", "submesh"]
+           "GroupedKVAttention", "HeadParallelAttention", "PIPELINE_SOURCES",
+           "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
+           "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
+           "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan",
+           "decoder_layers", "install_batch_split", "keep_stage", "make_mesh",
+           "parallelize_module", "pipeline", "submesh"]

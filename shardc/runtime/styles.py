@@ -34,6 +34,18 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
+def repeat_heads(t: torch.Tensor, dim: int, kv_repeat) -> torch.Tensor:
+    """``t`` with each head (``head_dim`` consecutive features at ``dim``) repeated
+    ``copies`` times in place, ``kv_repeat = (head_dim, copies)``: [h0, h1] -> [h0, h0, h1,
+    h1]. GQA with tp > kv_heads: a contiguous tp-way split of the result gives each rank
+    the one KV head its query heads read (each KV head on ``copies`` ranks, as vLLM)."""
+    if not kv_repeat or int(kv_repeat[1]) == 1:
+        return t
+    head_dim, copies = int(kv_repeat[0]), int(kv_repeat[1])
+    dim = dim % t.dim()
+    return t.unflatten(dim, (-1, head_dim)).repeat_interleave(copies, dim).flatten(dim, dim + 1)
+
+
 def move(x: torch.Tensor, mesh, src, dst) -> torch.Tensor:
     """Local tensor ``x`` held at placement ``src`` on 1-D ``mesh`` -> this rank's local
     tensor at ``dst`` (``DTensor.redistribute``: the collective the two placements imply)."""
@@ -47,14 +59,18 @@ class ReplicateParallel(ParallelStyle):
     """Weights replicated (left as they are: every rank holds the whole tensor); the input
     arriving at ``input_layouts`` is moved to ``desired_input_layouts`` (``Replicate()`` or
     ``Shard(0)``: a replicated weight passes token rows through), the output, at the same
-    placement as the input, is moved to ``output_layouts``."""
+    placement as the input, is moved to ``output_layouts``. ``kv_repeat=(head_dim, copies)``
+    (a k / v projection of GQA with tp > kv_heads): the whole output's KV heads are repeated
+    (:func:`repeat_heads`) before it moves, so a heads split gives each rank its one KV
+    head."""
 
     def __init__(self, *, input_layouts=Replicate(), desired_input_layouts=None,
-                 output_layouts=None):
+                 output_layouts=None, kv_repeat=None):
         super().__init__()
         self.input_layouts = input_layouts
         self.desired_input_layouts = desired_input_layouts or input_layouts
         self.output_layouts = output_layouts or self.desired_input_layouts
+        self.kv_repeat = kv_repeat
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         src, need, out = self.input_layouts, self.desired_input_layouts, self.output_layouts
@@ -63,7 +79,7 @@ class ReplicateParallel(ParallelStyle):
             return (move(args[0], device_mesh, src, need), *args[1:])
 
         def post(mod, args, output):
-            return move(output, device_mesh, need, out)
+            return move(repeat_heads(output, -1, self.kv_repeat), device_mesh, need, out)
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -133,17 +149,19 @@ class WeightColwiseParallel(ColwiseParallel):
     """torch's ``ColwiseParallel`` for a module whose weight torch's style cannot place: stored
     with the output features at dim ``out_dim`` (GPT-2's ``Conv1D`` keeps ``[in, out]``:
     ``out_dim=1``) and/or packing ``parts`` along them (widths of q|k|v, gate|up: each part
-    is cut n ways, a rank's slices side by side, so its output is [q_r | k_r | v_r]). The
-    bias follows the output features. Inputs and outputs as ``ColwiseParallel``."""
+    is cut n ways, a rank's slices side by side, so its output is [q_r | k_r | v_r]), and/or
+    a k / v projection of GQA with tp > kv_heads (``kv_repeat=(head_dim, copies)``: its KV
+    heads repeated before the split, :func:`repeat_heads`, so each rank holds one KV head).
+    The bias follows the output features. Inputs and outputs as ``ColwiseParallel``."""
 
-    def __init__(self, *, out_dim: int = 0, parts=(), **kwargs):
+    def __init__(self, *, out_dim: int = 0, parts=(), kv_repeat=None, **kwargs):
         super().__init__(**kwargs)
-        self.out_dim, self.parts = out_dim, tuple(parts)
+        self.out_dim, self.parts, self.kv_repeat = out_dim, tuple(parts), kv_repeat
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
             dim = self.out_dim if param.ndim > 1 else 0
-            full = param.detach()
+            full = repeat_heads(param.detach(), dim, self.kv_repeat)
             if self.parts:
                 full = interleave(full, dim, self.parts, device_mesh.size())
             dt = distribute_tensor(full, device_mesh, [Shard(dim)],
@@ -157,11 +175,21 @@ class WeightColwiseParallel(ColwiseParallel):
 class WeightRowwiseParallel(RowwiseParallel):
     """torch's ``RowwiseParallel`` for a weight stored with the input features at dim
     ``in_dim`` (GPT-2's ``Conv1D``: ``in_dim=0``); the bias stays whole (added once to the
-    partial sums). Inputs and outputs as ``RowwiseParallel``."""
+    partial sums). Inputs and outputs as ``RowwiseParallel``. ``kv_repeat=(head_dim,
+    copies)`` (a k / v projection of GQA with tp > kv_heads before a heads split): the
+    partial sums' KV heads are repeated (:func:`repeat_heads`, linear: still partial sums)
+    before they are reduce-scattered, so each rank receives its one KV head."""
 
-    def __init__(self, *, in_dim: int = 1, **kwargs):
+    def __init__(self, *, in_dim: int = 1, kv_repeat=None, **kwargs):
         super().__init__(**kwargs)
-        self.in_dim = in_dim
+        self.in_dim, self.kv_repeat = in_dim, kv_repeat
+
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        if self.kv_repeat and isinstance(outputs, DTensor):
+            outputs = DTensor.from_local(repeat_heads(outputs.to_local(), -1, self.kv_repeat),
+                                         device_mesh, outputs.placements, run_check=False)
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod,
+                                                  outputs, device_mesh)
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
@@ -245,6 +273,29 @@ class HeadParallelAttention(PrepareHiddenStates):
                 if value % n:
                     raise ValueError(f"{name}={value} does not split over tp={n}")
                 setattr(module, name, value // n)
+        return module
+
+
+class GroupedKVAttention(PrepareHiddenStates):
+    """A heads split of GQA attention at tp > kv_heads: each rank holds ``H / tp`` query
+    heads and the one KV head they read (its k / v styles repeat the KV heads before the
+    split, ``kv_repeat``), so the module's ``num_key_value_groups`` (query heads per KV
+    head, which HF's attention repeats the keys by) becomes ``H / tp``: divided by
+    ``kv_replicas`` (tp / kv_heads). Given layouts, it also moves its input as
+    :class:`PrepareHiddenStates` (one style per module)."""
+
+    def __init__(self, *, kv_replicas: int, input_layouts=None, desired_input_layouts=None):
+        super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts)
+        self.kv_replicas = int(kv_replicas)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.src is not None:
+            super()._apply(module, device_mesh)
+        groups = int(module.num_key_value_groups)
+        if groups % self.kv_replicas:
+            raise ValueError(f"num_key_value_groups={groups} does not split over "
+                             f"{self.kv_replicas} replicas of each KV head")
+        module.num_key_value_groups = groups // self.kv_replicas
         return module
 
 
