@@ -34,9 +34,10 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "PrepareModuleInput": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
-_RUNTIME_NAMES = ("BatchSplitAttention", "ExpertParallel", "FullWidthNormParallel",
-                  "GroupedKVAttention", "HeadParallelAttention",
-                  "PrepareHiddenStates", "ReplicateParallel", "RouterParallel",
+_RUNTIME_NAMES = ("BatchSplitAttention", "CoreRowsAttention", "ExpertParallel",
+                  "FullWidthNormParallel", "GroupedKVAttention",
+                  "HeadParallelAttention", "PrepareHiddenStates",
+                  "ReplicateParallel", "RouterParallel",
                   "WeightColwiseParallel", "WeightRowwiseParallel",
                   "decoder_layers", "install_batch_split", "keep_stage",
                   "pipeline", "submesh")

@@ -127,8 +127,13 @@ def _for_weight(code: str | None, row: dict | None) -> str | None:
     if code.startswith("ColwiseParallel(") and (dims != [0, 1] or parts):
         head = f"out_dim={dims[0]}" + (f", parts={parts}" if parts else "")
         return f"WeightColwiseParallel({head}{', ' + inner if inner else ''})"
-    if code.startswith("RowwiseParallel(") and dims != [0, 1]:
-        return f"WeightRowwiseParallel(in_dim={dims[1]}{', ' + inner if inner else ''})"
+    if code.startswith("RowwiseParallel(") and (dims != [0, 1] or parts):
+        head = f"in_dim={dims[1]}" + (f", parts={parts}" if parts else "")
+        return f"WeightRowwiseParallel({head}{', ' + inner if inner else ''})"
+    if code.startswith("WeightRowwiseParallel(") and parts:
+        return code.replace("WeightRowwiseParallel(", f"WeightRowwiseParallel(parts={parts}, ", 1)
+    if code.startswith("ReplicateParallel(") and parts:
+        return f"{code[:-1]}, parts={parts})"
     return code
 
 
@@ -393,6 +398,28 @@ def _prepare(kp: KindPlan, module: str, branch: str, src: str, want: str,
     return want
 
 
+def _core_rows(kp: KindPlan, lm: LayerModules, attn: str, res: str, attn_in: str,
+               core_need: str) -> str:
+    """The ``CoreRowsAttention`` entry of an attention module whose core runs on other
+    batch rows than its q/k/v projections read (batch-split attention after a ``col`` /
+    ``row`` qkv; under sp a ``rep`` qkv before a heads split); returns the placement the
+    projections receive. Module suffixes enter the code as literals."""
+    projections = tuple(m[len(attn) + 1:] for m in lm.ops.get("qkv", []))
+    args = [f"core_layouts={LAYOUT['S(0)' if _rows(core_need) == 'split' else 'R']}",
+            f"projections={_literal(projections)}"]
+    moved = not (res == attn_in or res == "R" and attn_in == "S(1)")
+    if moved:
+        args += [f"input_layouts={LAYOUT[res]}", f"desired_input_layouts={LAYOUT[attn_in]}"]
+    if _rows(core_need) == "split":
+        note = "attn_core batch: the module runs on this rank's rows, q/k/v moved to them"
+    else:
+        note = "attn_core on whole rows: q/k/v computed on this rank's rows, then moved"
+    if moved:
+        note = f"{redistribution(res, attn_in)} {res}->{attn_in} before qkv; " + note
+    kp.entries.append(Entry(attn, f"CoreRowsAttention({', '.join(args)})", note))
+    return attn_in if moved else res
+
+
 def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None:
     steps = {s.op: s for s in w.steps}
     if branch == "router":
@@ -409,20 +436,21 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
     if branch == "attention":
         qkv, core, out = steps["qkv"], steps["attn_core"], steps["out_proj"]
         attn = _attention_module(lm)
-        batch = core.choice.name == "batch"
-        if batch and qkv.choice.name != "rep":
-            raise NotCovered(f"{kp.kind}: batch-split attention after qkv "
-                             f"{qkv.choice.name} (covered: rep)")
+        batch = core.choice.name == "batch" and qkv.choice.name == "rep"
         attn_in = "S(0)" if batch else qkv.need
-        if _rows(attn_in) != _rows(core.need):
-            raise NotCovered(f"{kp.kind}: qkv {qkv.choice.name} under sequence parallelism "
-                             f"before attention by {core.choice.name}")
-        mla_row_sp = bool(lm.replicated) and res != "R" and attn_in == "S(1)"
-        if mla_row_sp:  # the replicated down projections need the whole hidden vector:
-            attn_in = "R"  # all-gathered (the walk charges an all-to-all), then sliced
-        src = _prepare(kp, attn, branch, res, attn_in, "qkv")
+        if lm.replicated and res != "R" and (attn_in == "S(1)" or qkv.choice.name == "rep"
+                                             and _rows(attn_in) != _rows(core.need)):
+            # MLA under sp: the replicated down projections need the whole hidden vector:
+            attn_in = "R"  # all-gathered (the walk charges an all-to-all after qkv), sliced
+        if _rows(attn_in) != _rows(core.need):  # the core runs on other rows than qkv reads
+            src = _core_rows(kp, lm, attn, res, attn_in, core.need)
+        else:
+            src = _prepare(kp, attn, branch, res, attn_in, "qkv")
         if not batch:
             code = _style("qkv", qkv, src)
+            if qkv.choice.name == "rep" and src != qkv.need:  # MLA under sp: sliced locally
+                code = (f"ReplicateParallel(input_layouts={LAYOUT[src]}, "
+                        f"output_layouts={LAYOUT[qkv.after]})")
             kv_mods = _kv_modules(kp, lm) if qkv.after == "S(1)" else {}
             for mod in lm.ops.get("qkv", []) if code else []:
                 kp.entries.append(Entry(mod, _kv_repeat(_for_weight(code, lm.weight_of(mod)),
@@ -489,6 +517,17 @@ def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
     whose q|k|v come packed in one weight sizes its head views from attributes
     (``HeadParallelAttention``); q/k norms over the whole projection (OLMoE) see this rank's
     heads (``FullWidthNormParallel``: one ``[tokens, 1]`` all-reduce each)."""
+    prep = next((e for e in kp.entries if e.suffix == attn), None)
+    if prep is not None and prep.style.startswith("CoreRowsAttention("):
+        if any(r.get("parts") for _, _, r in lm.params_of("qkv")):
+            prep.style = prep.style[:-1] + ", heads_split=True)"
+        if kp.kv_replicas > 1:
+            prep.style = prep.style[:-1] + f", kv_replicas={kp.kv_replicas})"
+        prep.comment += "; heads split"
+        for mod in _full_width_qk_norms(lm, attn):
+            kp.entries.append(Entry(mod, "FullWidthNormParallel()",
+                                    "norm over all heads: all_reduce of the sum of squares"))
+        return
     if any(r.get("parts") for _, _, r in lm.params_of("qkv")):
         note = "attn_core heads: the module's head counts / tp"
         prep = next((e for e in kp.entries if e.suffix == attn), None)

@@ -23,6 +23,7 @@ from shardc.runtime.experts import ExpertParallel
 from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.styles import (
     BatchSplitAttention,
+    CoreRowsAttention,
     FullWidthNormParallel,
     GroupedKVAttention,
     HeadParallelAttention,
@@ -36,10 +37,10 @@ from shardc.runtime.styles import (
 SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``--standalone``
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
-__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
-           "GroupedKVAttention", "HeadParallelAttention", "PIPELINE_SOURCES",
-           "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
-           "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
-           "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan",
-           "decoder_layers", "install_batch_split", "keep_stage", "make_mesh",
-           "parallelize_module", "pipeline", "submesh"]
+__all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention", "ExpertParallel",
+           "FullWidthNormParallel", "GroupedKVAttention", "HeadParallelAttention",
+           "PIPELINE_SOURCES", "PrepareHiddenStates", "PrepareModuleInput",
+           "Replicate", "ReplicateParallel", "RouterParallel", "RowwiseParallel",
+           "SOURCES", "Shard", "WeightColwiseParallel", "WeightRowwiseParallel",
+           "apply_plan", "decoder_layers", "install_batch_split", "keep_stage",
+           "make_mesh", "parallelize_module", "pipeline", "submesh"]

@@ -59,18 +59,19 @@ class ReplicateParallel(ParallelStyle):
     """Weights replicated (left as they are: every rank holds the whole tensor); the input
     arriving at ``input_layouts`` is moved to ``desired_input_layouts`` (``Replicate()`` or
     ``Shard(0)``: a replicated weight passes token rows through), the output, at the same
-    placement as the input, is moved to ``output_layouts``. ``kv_repeat=(head_dim, copies)``
+    placement as the input, is moved to ``output_layouts`` (packing ``parts``, q|k|v: split
+    by features, each rank gets its slice of every part). ``kv_repeat=(head_dim, copies)``
     (a k / v projection of GQA with tp > kv_heads): the whole output's KV heads are repeated
     (:func:`repeat_heads`) before it moves, so a heads split gives each rank its one KV
     head."""
 
     def __init__(self, *, input_layouts=Replicate(), desired_input_layouts=None,
-                 output_layouts=None, kv_repeat=None):
+                 output_layouts=None, kv_repeat=None, parts=()):
         super().__init__()
         self.input_layouts = input_layouts
         self.desired_input_layouts = desired_input_layouts or input_layouts
         self.output_layouts = output_layouts or self.desired_input_layouts
-        self.kv_repeat = kv_repeat
+        self.kv_repeat, self.parts = kv_repeat, tuple(parts)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         src, need, out = self.input_layouts, self.desired_input_layouts, self.output_layouts
@@ -79,7 +80,10 @@ class ReplicateParallel(ParallelStyle):
             return (move(args[0], device_mesh, src, need), *args[1:])
 
         def post(mod, args, output):
-            return move(repeat_heads(output, -1, self.kv_repeat), device_mesh, need, out)
+            output = repeat_heads(output, -1, self.kv_repeat)
+            if self.parts and _feature_split(out):  # packed q|k|v: each rank its heads of each
+                output = interleave(output, output.dim() - 1, self.parts, device_mesh.size())
+            return move(output, device_mesh, need, out)
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -135,6 +139,25 @@ def interleave(t: torch.Tensor, dim: int, parts, n: int) -> torch.Tensor:
     return torch.cat([c[r] for r in range(n) for c in pieces], dim)
 
 
+def deinterleave(t: torch.Tensor, dim: int, parts, n: int) -> torch.Tensor:
+    """The inverse of :func:`interleave`: [part0_r0, part1_r0, ..., part0_r1, ...] (the
+    features of n ranks' packed slices gathered side by side) -> [part0 | part1 | ...]."""
+    dim = dim % t.dim()
+    total = t.shape[dim]
+    widths = [total // parts] * parts if isinstance(parts, int) else list(parts)
+    per_rank = [w // n for w in widths]
+    blocks = [b.split(per_rank, dim) for b in t.chunk(n, dim)]
+    return torch.cat([blocks[r][k] for k in range(len(widths)) for r in range(n)], dim)
+
+
+def _feature_split(layout) -> bool:
+    """Whether ``layout`` (a placement, or a 1-tuple of one) splits the features of an
+    ``[batch, seq, features]`` activation."""
+    if isinstance(layout, tuple):
+        layout = layout[0] if len(layout) == 1 else None
+    return isinstance(layout, Shard) and layout.dim in (-1, 2)
+
+
 def _distribute(style, module: nn.Module, device_mesh) -> nn.Module:
     """``distribute_module`` with ``style``'s partition and its torch input / output hooks."""
     inputs, desired = style.input_layouts, style.desired_input_layouts
@@ -168,6 +191,14 @@ class WeightColwiseParallel(ColwiseParallel):
                                    src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=False))
 
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs,
+                                                 device_mesh)
+        if self.parts and not _feature_split(output_layouts) and not isinstance(out, DTensor):
+            # gathered features are rank-major [q_r0|k_r0|v_r0|q_r1|...]: back to q|k|v
+            out = deinterleave(out, -1, self.parts, device_mesh.size())
+        return out
+
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return _distribute(self, module, device_mesh)
 
@@ -175,19 +206,25 @@ class WeightColwiseParallel(ColwiseParallel):
 class WeightRowwiseParallel(RowwiseParallel):
     """torch's ``RowwiseParallel`` for a weight stored with the input features at dim
     ``in_dim`` (GPT-2's ``Conv1D``: ``in_dim=0``); the bias stays whole (added once to the
-    partial sums). Inputs and outputs as ``RowwiseParallel``. ``kv_repeat=(head_dim,
+    partial sums). Inputs and outputs as ``RowwiseParallel``; packed ``parts`` (q|k|v) split
+    by features on the way out are interleaved first, so each rank gets its slice of every
+    part. ``kv_repeat=(head_dim,
     copies)`` (a k / v projection of GQA with tp > kv_heads before a heads split): the
     partial sums' KV heads are repeated (:func:`repeat_heads`, linear: still partial sums)
     before they are reduce-scattered, so each rank receives its one KV head."""
 
-    def __init__(self, *, in_dim: int = 1, kv_repeat=None, **kwargs):
+    def __init__(self, *, in_dim: int = 1, kv_repeat=None, parts=(), **kwargs):
         super().__init__(**kwargs)
-        self.in_dim, self.kv_repeat = in_dim, kv_repeat
+        self.in_dim, self.kv_repeat, self.parts = in_dim, kv_repeat, tuple(parts)
 
     def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
-        if self.kv_repeat and isinstance(outputs, DTensor):
-            outputs = DTensor.from_local(repeat_heads(outputs.to_local(), -1, self.kv_repeat),
-                                         device_mesh, outputs.placements, run_check=False)
+        if (self.kv_repeat or self.parts and _feature_split(output_layouts)) \
+                and isinstance(outputs, DTensor):
+            local = repeat_heads(outputs.to_local(), -1, self.kv_repeat)
+            if self.parts and _feature_split(output_layouts):  # packed q|k|v split by features
+                local = interleave(local, local.dim() - 1, self.parts, device_mesh.size())
+            outputs = DTensor.from_local(local, device_mesh, outputs.placements,
+                                         run_check=False)
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod,
                                                   outputs, device_mesh)
 
@@ -296,6 +333,97 @@ class GroupedKVAttention(PrepareHiddenStates):
             raise ValueError(f"num_key_value_groups={groups} does not split over "
                              f"{self.kv_replicas} replicas of each KV head")
         module.num_key_value_groups = groups // self.kv_replicas
+        return module
+
+
+def _one_row(x):
+    """Row 0 of a tensor whose dim 0 is the batch (kept as a broadcastable batch of 1)."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1:
+        return x[:1]
+    return x
+
+
+class CoreRowsAttention(ParallelStyle):
+    """An attention module whose core computes on other batch rows than its q/k/v
+    projections read: the walk's repair between the projections and the core moves rows.
+
+    * ``core_layouts=Shard(0)`` (batch-split attention after a ``col`` / ``row`` qkv): the
+      module's own forward runs on this rank's batch rows (its ``hidden_states`` sliced, as
+      are a 4-D mask and per-row rotary tables: :class:`BatchSplitAttention`), while each
+      projection in ``projections`` reads the whole rows it was given and its style moves
+      its output to ``Shard(0)`` (col: ``S(1) -> S(0)`` all-to-all; row: ``P -> S(0)``
+      reduce-scatter). A projection reading a tensor the module computed on its rows (MLA's
+      up projections read the latents of the replicated down projections) gets those rows
+      all-gathered first (``S(0) -> R``, not charged by the walk).
+    * ``core_layouts=Replicate()`` (under sequence parallelism a ``rep`` qkv before a heads
+      split): the projections compute on this rank's rows (``Shard(0)``) and their styles
+      all-to-all the outputs to ``Shard(-1)`` (whole rows, this rank's heads); the module's
+      own forward sees a zero-copy stand-in of the whole batch's shape (``expand``: it only
+      sizes its views from it), and a 4-D mask / per-row rotary tables of one row (every row
+      is the same causal sequence: a padding mask is refused under sequence parallelism).
+
+    ``input_layouts`` / ``desired_input_layouts``: the module's input is moved first, as
+    :class:`PrepareHiddenStates`. ``heads_split``: a packed q|k|v's head-count attributes
+    become this rank's share (:class:`HeadParallelAttention`); ``kv_replicas``: KV heads
+    replicated (:class:`GroupedKVAttention`)."""
+
+    def __init__(self, *, core_layouts, projections, input_layouts=None,
+                 desired_input_layouts=None, heads_split=False, kv_replicas=1):
+        super().__init__()
+        self.core = core_layouts
+        self.projections = tuple(projections)
+        self.src = input_layouts
+        self.dst = desired_input_layouts or input_layouts
+        self.heads_split, self.kv_replicas = bool(heads_split), int(kv_replicas)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        n, i = device_mesh.size(), device_mesh.get_local_rank()
+        rows_split = isinstance(self.core, Shard)
+        state: dict = {}
+
+        def pre(mod, args, kwargs):
+            kwargs = dict(kwargs)
+            x = args[0] if args else kwargs["hidden_states"]
+            if self.src is not None:
+                x = move(x, device_mesh, self.src, self.dst)
+            if rows_split and self.src == Shard(0):  # masks / rotary already of these rows
+                view, pick = _rows(x, n, i), lambda t: t
+            elif rows_split:
+                view, pick = _rows(x, n, i), lambda t: _rows(t, n, i)
+            else:
+                view, pick = x[:1].expand(x.shape[0] * n, *x.shape[1:]), _one_row
+            state["view"], state["x"] = view, x
+            if "attention_mask" in kwargs:
+                kwargs["attention_mask"] = pick(kwargs["attention_mask"])
+            pe = kwargs.get("position_embeddings")
+            if isinstance(pe, tuple):
+                kwargs["position_embeddings"] = tuple(pick(t) for t in pe)
+            if args:
+                return (view, *args[1:]), kwargs
+            kwargs["hidden_states"] = view
+            return args, kwargs
+
+        def post(mod, args, kwargs, out):
+            state.clear()
+            return out
+
+        def projection_input(mod, args):
+            x = args[0]
+            if x is state.get("view"):
+                return (state["x"], *args[1:])
+            if rows_split:  # computed on this rank's rows: the projection needs them all
+                return (move(x, device_mesh, Shard(0), Replicate()), *args[1:])
+            raise ValueError("CoreRowsAttention: a projection reads a tensor computed on the "
+                             "stand-in batch")
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True)
+        for name in self.projections:
+            module.get_submodule(name).register_forward_pre_hook(projection_input)
+        if self.heads_split:
+            HeadParallelAttention()._apply(module, device_mesh)
+        if self.kv_replicas > 1:
+            GroupedKVAttention(kv_replicas=self.kv_replicas)._apply(module, device_mesh)
         return module
 
 
