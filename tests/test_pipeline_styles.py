@@ -242,14 +242,17 @@ def test_a_stage_map_the_runtime_cannot_deploy_is_refused_naming_it():
         plan.code(standalone=True)
 
 
-def test_pipeline_stages_of_another_layout_are_not_deployed():
-    """GPT-MoE keeps ``layers.<i>`` / ``embed`` / ``ln_f``: the pipeline runtime knows the HF
-    causal-LM layout only, so its stage map is refused naming a parameter (whatever the
-    per-kind plans cover) and the default file stays the ModelSharder one."""
-    from shardc.backends.pipeline_styles import stage_layers
-    from shardc.backends.torch_styles import NotCovered
+def test_pipeline_stages_of_another_layout_name_its_modules():
+    """GPT-MoE keeps ``layers.<i>`` / ``embed`` / ``ln_f`` / ``lm_head`` (a plain model whose
+    forward takes token ids only): the stage map and the model-level modules of each stage
+    come from plan.json's params rows and reach ``keep_stage`` as literals."""
+    from shardc.backends.pipeline_styles import stage_layout
 
     plan = build(GPT_MOE, {"pp": 2, "tp": 2}, None)
-    with pytest.raises(NotCovered, match="is outside an HF causal LM's model.layers"):
-        stage_layers(plan)
-    assert "ModelSharder" in plan.code()
+    stages, layout = stage_layout(plan, "layers")
+    assert stages == [[0], [1]]
+    assert layout == {"layers_path": "layers", "embedding": "embed", "positions": (),
+                      "final": ("ln_f",), "lm_head": "lm_head"}
+    code = plan.code(standalone=True)
+    assert "layers_path='layers'," in code and "embedding='embed'," in code
+    assert "final=('ln_f',)," in code and "ModelSharder" not in plan.code()

@@ -30,41 +30,49 @@ from dataclasses import dataclass
 from shardc.backends.dtensor import _comment, _literal
 from shardc.backends.torch_styles import NotCovered
 
-_DECODER_LAYERS = "model.layers"  # the decoder-layer list keep_stage cuts
-_FIRST_STAGE = {"model.embed_tokens"}  # model-level modules by stage
-_LAST_STAGE = {"model.norm", "lm_head"}
+# keep_stage's defaults: an HF causal LM's module paths (only other paths are written out)
+_HF_LAYOUT = {"layers_path": "model.layers", "embedding": "model.embed_tokens",
+              "positions": (), "final": ("model.norm",), "lm_head": "lm_head"}
 
 
-def stage_layers(plan, container: str = "model.layers") -> list[list[int]]:
-    """Decoder layers of each pipeline stage, from plan.json ``params[].stage`` and the rows'
-    ``layer`` (the IR's; :func:`shardc.backends.layout.rows_with_ops` for older plans).
-    ``container``: the decoder-layer list's module path. Raises :class:`NotCovered` unless
-    the model has an HF causal LM's layout (``model.layers`` / ``embed_tokens`` / ``norm`` /
-    ``lm_head``, what :func:`shardc.runtime.pipeline.keep_stage` cuts), when a layer's
-    parameters sit on two stages, a stage holds no layer or its layers are not contiguous,
-    or the embedding / final norm / lm_head are off their stages."""
+def stage_layout(plan, container: str = "model.layers") -> tuple[list[list[int]], dict]:
+    """(decoder layers of each pipeline stage, the model-level module paths
+    :func:`shardc.runtime.pipeline.keep_stage` keeps per stage), from plan.json
+    ``params[].stage`` and the rows' ``layer`` / ``op`` (the IR's;
+    :func:`shardc.backends.layout.rows_with_ops` for older plans). ``container``: the
+    decoder-layer list's module path. The first stage holds the embedding (op
+    ``embedding``) and any other model-level parameter on stage 0 (learned position
+    tables), the last stage the rest (final norms, ``lm_head``; a tied ``lm_head`` reads
+    the embedding table through its own module). Raises :class:`NotCovered` (a hand-edited
+    map) when a layer's parameters sit on two stages, a stage holds no layer or its layers
+    are not contiguous, or a model-level parameter is on a middle stage."""
     from shardc.backends.layout import rows_with_ops
+    from shardc.backends.torch_styles import _global_modules
 
     pp = plan.strategy().degrees.pp
-    if container != _DECODER_LAYERS:
-        raise NotCovered(f"pp={pp}: decoder layers under {container!r}, not an HF causal LM's "
-                         f"{_DECODER_LAYERS} (the pipeline runtime keeps stages of those)")
+    rows = rows_with_ops(plan.params)
     of_layer: dict[int, set[int]] = {}
-    for p in rows_with_ops(plan.params):
+    first, last = [], []
+    for p in rows:
         module = str(p["fqn"]).rsplit(".", 1)[0]
         if p.get("layer") is not None:
             of_layer.setdefault(int(p["layer"]), set()).add(int(p["stage"]))
-        elif module not in _FIRST_STAGE | _LAST_STAGE:
-            raise NotCovered(f"pp={pp}: parameter {p['fqn']!r} is outside an HF causal LM's "
-                             "model.layers / embed_tokens / norm / lm_head (the pipeline "
-                             "runtime keeps stages of those)")
-        elif module in _FIRST_STAGE:
-            if int(p["stage"]) != 0:
-                raise NotCovered(f"pp={pp}: {p['fqn']} on stage {p['stage']} (the runtime "
-                                 "keeps the embedding on stage 0)")
-        elif int(p["stage"]) != pp - 1:
-            raise NotCovered(f"pp={pp}: {p['fqn']} on stage {p['stage']} (the runtime keeps "
-                             f"the final norm and lm_head on stage {pp - 1})")
+        elif int(p["stage"]) == 0 and (p.get("op") != "lm_head" or pp == 1):
+            first.append(module)
+        elif int(p["stage"]) == pp - 1 and p.get("op") != "embedding":
+            last.append(module)
+        else:
+            raise NotCovered(f"pp={pp}: {p['fqn']} ({p.get('op') or 'no op'}) on stage "
+                             f"{p['stage']} (the runtime keeps the embedding on stage 0, the "
+                             f"final norm and lm_head on stage {pp - 1})")
+    where = _global_modules(rows)
+    embedding, lm_head = where.get("embedding"), where.get("lm_head")
+    if embedding is None or lm_head is None:
+        raise NotCovered(f"pp={pp}: no embedding or lm_head module in the plan's params")
+    layout = {"layers_path": container, "embedding": embedding,
+              "positions": tuple(dict.fromkeys(m for m in first if m != embedding)),
+              "final": tuple(dict.fromkeys(m for m in last if m != lm_head)),
+              "lm_head": lm_head}
     stages: list[list[int]] = [[] for _ in range(pp)]
     for layer, on in sorted(of_layer.items()):
         if len(on) != 1:
@@ -74,7 +82,7 @@ def stage_layers(plan, container: str = "model.layers") -> list[list[int]]:
         if not layers or layers != list(range(layers[0], layers[-1] + 1)):
             raise NotCovered(f"pp={pp}: stage {s} holds layers {layers} (the runtime runs "
                              "contiguous, non-empty stages)")
-    return stages
+    return stages, layout
 
 
 @dataclass
@@ -82,6 +90,7 @@ class StageEmit:
     """The lines of a pipeline-parallel ``parallelize.py`` (see the module docstring)."""
 
     stages: list[list[int]]
+    layout: dict  # keep_stage's module paths (see stage_layout)
     microbatches: int
     row_unit: int  # a micro-batch's rows must divide by this (rows split over tp)
     residual_rows_split: int  # the residual stream holds 1/n of the rows per rank (sp)
@@ -106,11 +115,17 @@ class StageEmit:
                 + (["final norm, lm_head"] if s == self.pp - 1 else [])
             return f"{s}: {', '.join(parts)}"
 
+        paths = [f"{k}={_literal(v)}" for k, v in self.layout.items()
+                 if v != _HF_LAYOUT[k]]  # module paths from plan.json: literals
+        head = f"model, STAGE_LAYERS[stage], first=stage == 0, last=stage == {self.pp - 1}"
+        call = f"    keep_stage({', '.join([head, *paths])})"
+        if len(call) > 99:
+            call = "\n".join(["    keep_stage(", f"        {head},",
+                              *(f"        {p}," for p in paths), "    )"])
         return ["    stage = world_mesh.get_local_rank('pp')",
                 _comment(f"pp={self.pp} stages: "
                          + " | ".join(what(s, ls) for s, ls in enumerate(self.stages))),
-                "    keep_stage(model, STAGE_LAYERS[stage], first=stage == 0, "
-                f"last=stage == {self.pp - 1})"]
+                call]
 
     @staticmethod
     def layer_loop(kind: str) -> str:
@@ -119,8 +134,9 @@ class StageEmit:
 
     def model_blocks(self, entries) -> list[tuple[str, list]]:
         """(``if`` line, entries) per stage holding model-level modules."""
-        first = [e for e in entries if e.suffix in _FIRST_STAGE]
-        last = [e for e in entries if e.suffix not in _FIRST_STAGE]
+        on_first = {self.layout["embedding"], *self.layout["positions"]}
+        first = [e for e in entries if e.suffix in on_first]
+        last = [e for e in entries if e.suffix not in on_first]
         out = []
         if first:
             out.append(("    if stage == 0:  # the embedding is on the first stage", first))
@@ -150,5 +166,5 @@ def stage_emit(plan, style_plan) -> StageEmit:
     rows_split = deg.tp if deg.sp > 1 else 1
     phase = str(plan.workload.get("phase", "decode"))
     micro = deg.pp if phase == "decode" else max(1, int(st.batch) // deg.ep)
-    return StageEmit(stage_layers(plan, style_plan.layers), micro,
+    return StageEmit(*stage_layout(plan, style_plan.layers), micro,
                      deg.tp if (batch_split or rows_split > 1) else 1, rows_split)

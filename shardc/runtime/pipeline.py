@@ -3,11 +3,13 @@
 
 A pipeline-parallel plan runs each rank as one stage, torchtitan-style:
 
-* :func:`keep_stage` drops from the HF causal LM what other stages run: the decoder layers of
+* :func:`keep_stage` drops from the model what other stages run: the decoder layers of
   other stages become parameterless pass-throughs (:class:`OtherStageLayer`, so the model's
   own loop and its per-layer-index lookups -- Gemma-2's ``layer_types[i]``, the attention's
-  ``layer_idx`` -- keep the original indices and parameter FQNs), the embedding is kept on
-  the first stage only, the final norm and ``lm_head`` on the last only;
+  ``layer_idx`` -- keep the original indices and parameter FQNs), the embedding (and learned
+  position tables) is kept on the first stage only, the final norm and ``lm_head`` on the
+  last only -- an HF causal LM (``model.layers``, GPT-2's ``transformer.h``) or a plain
+  model (GPT-MoE's ``layers``, whose forward takes token ids only);
 * the per-kind ``parallelize_module`` plans then run on the stage's own (non-pp) submesh;
 * :func:`pipeline` wraps the stage in a :class:`PipelinedModel`: calling it with the global
   batch runs a ``ScheduleGPipe`` forward-only schedule over the ``pp`` mesh dim (every rank
@@ -17,8 +19,10 @@ A pipeline-parallel plan runs each rank as one stage, torchtitan-style:
 Each stage runs the model's own forward (masks, rotary tables, Gemma-2's final logit
 softcapping): the first stage from ``input_ids``, a later one from the hidden states it
 received, passed as ``inputs_embeds`` (HF decoders feed them to the first layer as they are;
-an embedding scale such as Gemma-2's lives in the embedding module, on the first stage), a
-stage before the last returning the hidden states after its last layer.
+an embedding scale such as Gemma-2's lives in the embedding module, on the first stage; a
+learned position table added by the first stage adds zeros later) or, for a plain model,
+in place of the token ids (its embedding a pass-through there); a stage before the last
+returns the hidden states after its last layer.
 """
 
 from __future__ import annotations
@@ -36,20 +40,66 @@ class OtherStageLayer(nn.Module):
         return hidden_states
 
 
-def keep_stage(model: nn.Module, layers, first: bool, last: bool) -> nn.Module:
-    """Keep in ``model`` (an HF ``*ForCausalLM``) only what its pipeline stage runs: the
-    decoder layers ``layers`` (original indices), the embedding when ``first``, the final
-    norm and ``lm_head`` when ``last``. Returns ``model``."""
-    inner = model.model
+class PassThrough(nn.Module):
+    """Stands for the token embedding of a plain model (one whose forward takes no
+    ``inputs_embeds``) on a later stage: the hidden states the stage received come in where
+    the token ids would, and pass through."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class ZeroFeatures(nn.Module):
+    """Stands for a learned position table (GPT-2's ``wpe``) on a later stage: the first
+    stage added the positions already, so it contributes zeros ``[..., width]``."""
+
+    def __init__(self, width: int, dtype: torch.dtype):
+        super().__init__()
+        self.width, self.dtype = int(width), dtype
+
+    def forward(self, ids, *args, **kwargs):
+        return torch.zeros(*ids.shape, self.width, dtype=self.dtype, device=ids.device)
+
+
+def takes_inputs_embeds(model: nn.Module) -> bool:
+    """Whether ``model`` is an HF model (a ``PreTrainedModel``: it names its base model, and
+    its forward takes ``inputs_embeds``, where a later stage feeds its hidden states) rather
+    than a plain model whose forward takes token ids only."""
+    return isinstance(getattr(model, "base_model_prefix", None), str)
+
+
+def _replace(model: nn.Module, path: str, module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def keep_stage(model: nn.Module, layers, first: bool, last: bool,
+               layers_path: str = "model.layers", embedding: str = "model.embed_tokens",
+               positions=(), final=("model.norm",), lm_head: str = "lm_head") -> nn.Module:
+    """Keep in ``model`` only what its pipeline stage runs: the decoder layers ``layers``
+    (original indices) of the list at ``layers_path``, the token ``embedding`` and learned
+    ``positions`` tables when ``first``, the ``final`` norm(s) and ``lm_head`` when ``last``
+    (module paths; the defaults are an HF ``*ForCausalLM``'s, GPT-2's are
+    ``transformer.h`` / ``transformer.wte`` / ``transformer.wpe`` / ``transformer.ln_f``).
+    Dropped: a layer becomes an :class:`OtherStageLayer`, a final norm an identity, the
+    embedding and ``lm_head`` None (HF: the stage calls the base model with
+    ``inputs_embeds``) or pass-throughs (a plain model, called with the hidden states), a
+    position table :class:`ZeroFeatures`. Returns ``model``."""
+    stack = model.get_submodule(layers_path)
     keep = set(layers)
-    for i in range(len(inner.layers)):
+    for i in range(len(stack)):
         if i not in keep:
-            inner.layers[i] = OtherStageLayer()
+            stack[i] = OtherStageLayer()
+    hf = takes_inputs_embeds(model)
     if not first:
-        inner.embed_tokens = None
+        _replace(model, embedding, None if hf else PassThrough())
+        for path in positions:
+            table = model.get_submodule(path).weight
+            _replace(model, path, ZeroFeatures(table.shape[-1], table.dtype))
     if not last:
-        inner.norm = nn.Identity()
-        model.lm_head = None
+        for path in final:
+            _replace(model, path, nn.Identity())
+        _replace(model, lm_head, None if hf else nn.Identity())
     return model
 
 
@@ -64,12 +114,15 @@ class StageModule(nn.Module):
         self.model, self.first, self.last = model, first, last
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        if not takes_inputs_embeds(self.model):  # a plain model: ids or hidden states in
+            out = self.model(x) if attention_mask is None else self.model(x, attention_mask)
+            return out if isinstance(out, torch.Tensor) else out.logits
         kw = {"attention_mask": attention_mask, "use_cache": False,
               "input_ids" if self.first else "inputs_embeds": x}
         if self.last:
             out = self.model(**kw)
             return out if isinstance(out, torch.Tensor) else out.logits
-        return self.model.model(**kw).last_hidden_state
+        return self.model.base_model(**kw).last_hidden_state
 
 
 def _text_config(model: nn.Module):
