@@ -336,14 +336,16 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
     if chain:
         names = "/".join(CHOICE_NAMES[op][c] for op, c in
                          (("expert_ffn1", f1), ("expert_ffn2", f2)))
-        if res != "R" or len(parts1) != 2 or \
-                [r1["split_dims"], r2["split_dims"]] != [[1, 2], [1, 2]]:
-            raise NotCovered(f"{kind}: experts {names} (covered: col/row and rep/rep; other "
-                             "pairs for HF gated experts [E, out, in] without sequence "
-                             "parallelism)")
+        layouts = [r1["split_dims"], r2["split_dims"]]
+        if parts1 and len(parts1) != 2 or layouts not in ([[1, 2], [1, 2]], [[2, 1], [2, 1]]):
+            raise NotCovered(f"{kind}: experts {names} stored {layouts} with parts {parts1} "
+                             "(covered: [E, out, in] or [E, in, out], gate|up or no parts)")
+        in_out = layouts == [[2, 1], [2, 1]]
         dims = tuple(None if c == 2 else int(r["split_dims"][c])
                      for r, c in ((r1, f1), (r2, f2)))
         what += f"; experts {names} over tp, the activation moved between them as the walk says"
+        if res != "R":
+            what += " (the tp ranks' rows all-gathered first, each keeps its own rows)"
     else:
         dims = (int(r1["split_dims"][0]), int(r2["split_dims"][1]))
         if split and res != "R":
@@ -362,7 +364,9 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
     if chain:
         args.append(f"chain=({CHOICE_NAMES['expert_ffn1'][f1]!r}, "
                     f"{CHOICE_NAMES['expert_ffn2'][f2]!r})")
-    elif split and res != "R":
+        if in_out:
+            args.append("in_out=True")
+    if split and res != "R":
         args.append("token_rows=True")
     if deg.ep > 1 or tp > 1:
         return Entry(mods[0], f"ExpertParallel({', '.join(args)})", what)

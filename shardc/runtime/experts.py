@@ -45,17 +45,22 @@ class ExpertParallel(ParallelStyle):
     outputs back (:func:`_run_tp_rows`), as the cost model charges; replicated experts
     compute the rank's own rows (no tp collective).
 
-    ``chain=(c1, c2)`` (HF gated experts ``[E, out, in]`` with ``act_fn``; any other pair of
-    ``"col"`` / ``"row"`` / ``"rep"``): the two matmuls are computed here, each weight cut as
-    its choice says (``weights``: the dim its choice cuts, None for ``rep``), the activation
-    moved between them as the walk does (:func:`_chain`)."""
+    ``chain=(c1, c2)`` (any other pair of ``"col"`` / ``"row"`` / ``"rep"``): the two matmuls
+    are computed here, each weight cut as its choice says (``weights``: the dim its choice
+    cuts, None for ``rep``; ``in_out``: weights stored ``[E, in, out]``, GPT-MoE's, else
+    ``[E, out, in]``, HF's), the activation moved between them as the walk does
+    (:func:`_chain`): HF gated experts (packed gate|up) apply ``act_fn(gate) * up``, others
+    their own activation (the module's forward run elementwise, :func:`_own_activation`).
+    Under sequence parallelism (``token_rows``) the tp ranks' rows are all-gathered first
+    and each rank keeps its own rows of the whole output (:func:`_chain_tp_rows`)."""
 
     def __init__(self, *, tp_split: bool = True, weights=None, token_rows: bool = False,
-                 chain=None):
+                 chain=None, in_out: bool = False):
         super().__init__()
         self.tp_split, self.token_rows = tp_split, token_rows
         self.weights = dict(weights or HF_EXPERTS)
         self.chain = tuple(chain) if chain else None
+        self.in_out = bool(in_out)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         names = tuple(device_mesh.mesh_dim_names)
@@ -88,9 +93,17 @@ class ExpertParallel(ParallelStyle):
         # col/row through the module's own forward: partial sums, reduced after the top-k sum
         reduce_group = tp_group if split and rows_group is None and self.chain is None else None
 
+        gated = bool(next(iter(self.weights.values()))[1])  # packed gate|up
+
+        def chain(rows, sizes):
+            return _chain(module, forward_local, tuple(self.weights), self.chain, rows, sizes,
+                          tp_group, gated, self.in_out)
+
         def run(rows, sizes):
+            if self.chain is not None and split and self.token_rows:
+                return _chain_tp_rows(chain, rows, sizes, tp_group)
             if self.chain is not None and split:
-                return _chain(module, tuple(self.weights), self.chain, rows, sizes, tp_group)
+                return chain(rows, sizes)
             if rows_group is not None:
                 return _run_tp_rows(module, forward_local, tuple(self.weights), rows, sizes,
                                     rows_group)
@@ -211,19 +224,46 @@ def _run_local(module, forward_local, names, rows: torch.Tensor, sizes: list[int
     return out
 
 
-def _chain(module, names, chain, rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    """HF gated experts over ``rows`` grouped by local expert, the first matmul cut as
-    ``chain[0]`` and the second as ``chain[1]`` on the tp ``group`` (every rank of it holds
-    the same rows): the placements and repairs of the contract's walk -- ``col`` / ``rep``
-    need the whole activation (``R``), ``row`` its feature slice; partial sums are reduced
-    before the activation; the output leaves whole (``R``)."""
+def _own_activation(module, forward_local, names, h: torch.Tensor) -> torch.Tensor:
+    """The expert module's own activation of ``h`` (a plain, non-gated expert
+    ``act(x @ W1) @ W2``): its forward run with identity ``k x k`` weights on ``h`` cut into
+    rows of ``k`` features (``k`` = 16 where it divides, else 1; an identity matmul is exact),
+    every row routed to expert 0 with weight 1."""
+    k = 16 if h.shape[-1] % 16 == 0 else 1
+    x = h.reshape(-1, k)
+    eye = torch.eye(k, dtype=h.dtype, device=h.device).unsqueeze(0)
+    saved = {n: module._parameters[n] for n in names}
+    num = getattr(module, "num_experts", None)
+    try:
+        for n in names:
+            module._parameters[n] = nn.Parameter(eye, requires_grad=False)
+        if num is not None:
+            module.num_experts = 1
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.long, device=h.device)
+        out = forward_local(x, ids, x.new_ones(x.shape[0], 1))
+    finally:
+        module._parameters.update(saved)
+        if num is not None:
+            module.num_experts = num
+    return out.reshape(h.shape)
+
+
+def _chain(module, forward_local, names, chain, rows: torch.Tensor, sizes: list[int], group,
+           gated: bool = True, in_out: bool = False) -> torch.Tensor:
+    """Experts over ``rows`` grouped by local expert, the first matmul cut as ``chain[0]``
+    and the second as ``chain[1]`` on the tp ``group`` (every rank of it holds the same
+    rows): the placements and repairs of the contract's walk -- ``col`` / ``rep`` need the
+    whole activation (``R``), ``row`` its feature slice; partial sums are reduced before the
+    activation; the output leaves whole (``R``). ``gated``: HF's ``act_fn(gate) * up`` on a
+    packed gate|up (``[g_r | u_r]`` per rank), else the module's own activation;
+    ``in_out``: weights ``[E, in, out]`` (``x @ w``), else ``[E, out, in]``."""
     c1, c2 = chain
     n, r = dist.get_world_size(group), dist.get_rank(group)
     w1, w2 = (getattr(module, nm).to_local() for nm in names)
     parts = rows.split(sizes)
 
     def per_expert(xs, w):
-        return torch.cat([F.linear(x, w[j]) for j, x in enumerate(xs)])
+        return torch.cat([x @ w[j] if in_out else F.linear(x, w[j]) for j, x in enumerate(xs)])
 
     x_in = [x.chunk(n, dim=-1)[r] for x in parts] if c1 == "row" else list(parts)
     h = per_expert(x_in, w1)  # col: [g_r | u_r]; row: partial; rep: whole [g | u]
@@ -235,8 +275,11 @@ def _chain(module, names, chain, rows: torch.Tensor, sizes: list[int], group) ->
             out = h.new_empty(h.shape[1] // n, h.shape[0])  # features are dim 0 here
             dist.reduce_scatter_tensor(out, h.t().contiguous(), group=group)
             h = out.t()
-    gate, up = h.chunk(2, dim=-1)
-    a = module.act_fn(gate) * up
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        a = module.act_fn(gate) * up
+    else:
+        a = _own_activation(module, forward_local, names, h)
     have = "S(1)" if c1 == "col" or (c1 == "row" and need == "S(1)") else "R"
     if have == "S(1)" and need == "R":
         pieces = [torch.empty_like(a) for _ in range(n)]
@@ -252,3 +295,29 @@ def _chain(module, names, chain, rows: torch.Tensor, sizes: list[int], group) ->
         dist.all_gather(pieces, out.contiguous(), group=group)
         out = torch.cat(pieces, dim=-1)
     return out
+
+
+def _chain_tp_rows(chain, rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """:func:`_chain` under sequence parallelism: each tp rank received its own token rows'
+    pairs (``rows``, ``sizes[j]`` for local expert j). The per-expert counts and the rows are
+    all-gathered over tp (padded to the largest rank's count), the chain runs on every rank's
+    rows grouped by expert, and each rank keeps its own rows of the whole output."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.tensor(sizes, dtype=torch.long)
+    every = torch.empty(n * len(sizes), dtype=torch.long)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    per_rank = [list(sizes)] * n if rows.is_meta else every.view(n, -1).tolist()
+    m = max(sum(c) for c in per_rank)
+    padded = rows.new_zeros(m, rows.shape[1]) if not rows.is_meta else rows.new_empty(m, rows.shape[1])
+    padded[:rows.shape[0]] = rows
+    gathered = rows.new_empty(n * m, rows.shape[1])
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    every_rows = torch.cat([gathered[i * m:i * m + sum(c)] for i, c in enumerate(per_rank)])
+    ids = torch.cat([_expert_ids(c) for c in per_rank]).to(rows.device)
+    order = torch.argsort(ids, stable=True)  # every rank's rows, grouped by local expert
+    totals = [sum(c[j] for c in per_rank) for j in range(len(sizes))]
+    out = chain(every_rows[order], totals)
+    back = torch.empty_like(out)
+    back[order] = out
+    start = sum(sum(c) for c in per_rank[:me])
+    return back[start:start + rows.shape[0]]
