@@ -1,10 +1,12 @@
 """Emit ``parallelize.py``: the plan as data plus one readable block per layer kind.
 
 The emitted file defines ``parallelize(model, world_mesh=None)``. It creates the mesh with
-``init_device_mesh`` from the plan's logical mesh when none is given, and calls the small
-runtime in :mod:`shardc.backends.apply` -- the same code ``Plan.apply`` runs -- block by
-block, with comments naming each op's choice and the collectives the strategy implies
-(from :func:`shardc.ir.contract.branch_collectives`, the table the cost model charges).
+``init_device_mesh`` from the plan's logical mesh when none is given and applies the plan
+with torch's ParallelStyles and shardc's few own ones (:mod:`shardc.runtime`; the file is
+written by :mod:`shardc.backends.emit_styles`), with comments naming each op's choice and
+the collectives the strategy implies (from the contract's walk, the table the cost model
+charges). This module holds the shared parts: the docstring and the literal / comment
+writers.
 
 Every value that comes from input (model, hardware, layer-kind and op names, numbers from a
 hand-edited plan.json) reaches the file in one of two forms only: inside code as a Python
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import pprint
 
-from shardc.ir.contract import BRANCHES, branch_collectives, choice_name
-from shardc.ir.strategy import residual_placement
 from shardc.text import number_or_dash, one_line
 
 # {fields} of the docstring are filled with one_line() text, those of the code with _literal().
@@ -40,32 +40,6 @@ are S(0) over ep (the expert dim). With pp > 1 the returned module runs this ran
 and returns logits on the last stage (None elsewhere).{standalone_note}
 """
 '''
-_HEADER = _DOC + '''
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-
-from shardc.backends.apply import ModelSharder, strategy_from_names
-
-MESH_SHAPE = {shape_code}
-MESH_DIM_NAMES = {names_code}
-DEGREES = {degrees_code}
-BATCH = {batch_code}
-LAYER_KINDS = {layer_kinds_code}
-CHOICES = {choices_code}
-# per parameter: its fused op, decoder layer, the tensor dim each choice cuts, its expert dim
-# and packed parts, and its pipeline stage (plan.json params, from the IR)
-PARAMS = {params_code}
-
-
-def parallelize(model, world_mesh=None):
-    """Place every parameter of ``model`` per the plan; returns the model to call."""
-    if world_mesh is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        world_mesh = init_device_mesh(device, MESH_SHAPE, mesh_dim_names=MESH_DIM_NAMES)
-    strategy = strategy_from_names(DEGREES, CHOICES, BATCH)
-    sharder = ModelSharder(model, strategy, world_mesh, LAYER_KINDS, PARAMS)
-'''
-
 # (plan.json predicted key, how it reads); a missing or non-numeric value is left out
 _PREDICTED_PARTS = (("tok_s_per_gpu", "{} tok/s/GPU", ".1f"), ("tpot_ms", "TPOT {} ms", ".2f"),
                     ("ttft_ms", "TTFT {} ms", ".1f"),
@@ -122,15 +96,6 @@ def _predicted(pred: dict) -> str:
     return ", ".join(parts) or "n/a"
 
 
-def _walk_comment(ops, choices, start, end, tp: int = 2) -> str:
-    if tp == 1:
-        return "tp=1: no tp collective"
-    walk = branch_collectives(tuple(ops), list(choices), start, end)
-    if not walk:
-        return "no collective"
-    return ", ".join(f"{coll} {src}->{dst} before {before}" for before, src, dst, coll in walk)
-
-
 def doc_fields(plan) -> dict:
     """The docstring's {fields} for ``plan``, each already one line of escaped text."""
     from shardc import __version__
@@ -151,13 +116,12 @@ def doc_fields(plan) -> dict:
 
 
 def emit_parallelize(plan, standalone: bool = False) -> str:
-    """``parallelize.py`` source for a :class:`shardc.plan.Plan` (ruff-clean, ASCII).
-
-    A plan the torch-style runtime covers gets per-kind ``parallelize_module`` plans
+    """``parallelize.py`` source for a :class:`shardc.plan.Plan` (ruff-clean, ASCII): per
+    layer kind ``parallelize_module`` plans on torch's parallel API
     (:func:`shardc.backends.emit_styles.emit_style_parallelize`) importing
-    ``shardc.runtime``, or, ``standalone``, with the runtime inlined (imports only torch);
-    any other plan gets the :class:`~shardc.backends.apply.ModelSharder` file below, and
-    ``standalone`` raises InputError naming what is not covered yet.
+    ``shardc.runtime`` (torch-only), or, ``standalone``, with the runtime inlined (imports
+    only torch). A plan the runtime cannot deploy (a hand-edited stage map, a layout no
+    style places) raises InputError naming what.
 
     Names and numbers from the plan enter only through :func:`one_line` (docstring and
     comments) and :func:`_literal` (code); see the module doc."""
@@ -168,65 +132,7 @@ def emit_parallelize(plan, standalone: bool = False) -> str:
     try:
         return emit_style_parallelize(plan, inline=standalone)
     except NotCovered as e:
-        if standalone:
-            raise InputError(f"--standalone: {e} (the default parallelize.py covers it)") from None
-    st = plan.strategy()
-    deg = st.degrees
-    res = residual_placement(deg)
-    choices = {str(o["name"]): str(o["choice"]) for o in plan.ops}
-    kinds = plan.layer_kind_map()
-    shape = tuple(int(s) for s in plan.logical_mesh["shape"])
-    dim_names = tuple(str(n) for n in plan.logical_mesh["dim_names"])
-    code = {
-        "shape_code": shape, "names_code": dim_names, "degrees_code": deg.as_dict(),
-        "batch_code": int(st.batch), "layer_kinds_code": _ranges(kinds),
-        "choices_code": choices, "params_code": _runtime_rows(plan.params),
-    }
-    header = _HEADER.format(**doc_fields(plan), standalone_note="",
-                            **{k: _literal(v) for k, v in code.items()})
-    body = []
-    if "embedding" in st.choices:
-        c = st.choices["embedding"]
-        body += [_comment(f"embedding: {choice_name('embedding', c)} "
-                          f"({_walk_comment(['embedding'], [c], 'R', res, deg.tp)})"),
-                 "    sharder.embedding()", ""]
-    for kind, layers in kinds.items():
-        body.append(_comment(f"{kind} x {len(layers)} (residual stream {res} on tp)"))
-        calls = []
-        for branch, ops in BRANCHES.items():
-            slots = [f"{kind}.{o}" for o in ops]
-            if not all(s in st.choices for s in slots):
-                continue
-            cs = [st.choices[s] for s in slots]
-            desc = " -> ".join(f"{o} {choice_name(o, c)}" for o, c in zip(ops, cs))
-            body.append(_comment(f"  {branch}: {desc} "
-                                 f"({_walk_comment(ops, cs, res, res, deg.tp)})"))
-            if branch == "experts" and deg.ep > 1:
-                body.append(_comment(f"  experts: dispatch + combine all_to_all over "
-                                     f"ep={deg.ep}"))
-            calls.append("attention" if branch == "attention" else "mlp")
-        body.append(f"    for i in sharder.layers_of({_literal(str(kind))}):")
-        for call in dict.fromkeys(calls):  # method names from BRANCHES, never from input
-            body.append(f"        sharder.{call}(i)")
-        body.append("")
-    if "lm_head" in st.choices:
-        c = st.choices["lm_head"]
-        body += [_comment(f"lm_head: {choice_name('lm_head', c)} "
-                          f"({_walk_comment(['lm_head'], [c], res, 'R', deg.tp)})"),
-                 "    sharder.lm_head()", ""]
-    body.append("    return sharder.finish()")
-    return header + "\n".join(body) + "\n"
-
-
-_ROW_FIELDS = ("fqn", "stage", "op", "layer", "split_dims", "expert_dim", "parts", "tied")
-
-
-def _runtime_rows(params: list[dict]) -> list[dict]:
-    """The fields of plan.json's params rows the runtime reads (:data:`_ROW_FIELDS`; a plan
-    of schema 1 gets the IR fields from :func:`shardc.backends.layout.rows_with_ops`)."""
-    from shardc.backends.layout import rows_with_ops
-
-    return [{k: r[k] for k in _ROW_FIELDS if k in r} for r in rows_with_ops(params)]
+        raise InputError(f"parallelize.py: {e}") from None
 
 
 def _ranges(kinds: dict[str, list[int]]) -> dict:
