@@ -149,10 +149,14 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     body += pipe.runner() if pipe else []
     body.append(_comment("dp x ep: each rank serves its slice of the batch (flattened mesh); "
                          "logits all-gathered"))
-    if plan.strategy().degrees.sp > 1:
-        body.append(_comment("sp: the model builds its attention mask from a row shard, so a "
-                             "padding mask is refused"))
+    deg = plan.strategy().degrees
+    if deg.sp > 1 and pipe:
+        body.append(_comment("sp through pipeline stages: a padding mask is refused"))
         body.append("    return install_batch_split(model, world_mesh, padding_ok=False)")
+    elif deg.sp > 1:
+        body.append(_comment("sp: masks are built for this tp rank's rows (attention over "
+                             "whole rows gathers them)"))
+        body.append("    return install_batch_split(model, world_mesh, tp_rows=True)")
     else:
         body.append("    return install_batch_split(model, world_mesh)")
     code_text = "\n".join(body)

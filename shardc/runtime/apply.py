@@ -49,22 +49,28 @@ def batch_mesh(world_mesh):
     return mesh._flatten("dp_ep")
 
 
-def install_batch_split(model: nn.Module, world_mesh, padding_ok: bool = True) -> nn.Module:
+def install_batch_split(model: nn.Module, world_mesh, padding_ok: bool = True,
+                        tp_rows: bool = False) -> nn.Module:
     """Slice the global batch (``input_ids`` and a 2-D ``attention_mask`` / ``position_ids``)
     to this rank's rows over dp x ep on the way in, all-gather the logits on the way out:
-    the model still maps the global batch to global logits. ``padding_ok=False`` (sequence
-    parallelism: the model would build its attention mask from a row shard) refuses an
+    the model still maps the global batch to global logits. ``tp_rows`` (sequence
+    parallelism: the residual stream holds 1/tp of the rows, the embedding's output rows of
+    this tp rank) slices ``attention_mask`` / ``position_ids`` once more to this tp rank's
+    rows, so the model builds its masks and rotary tables for the rows its layers hold
+    (attention over whole rows all-gathers them, :func:`~shardc.runtime.styles.whole_rows`).
+    ``padding_ok=False`` (a pipelined model under sequence parallelism) refuses an
     ``attention_mask`` that hides any token."""
     if not padding_ok:
         def refuse(mod, args, kwargs):
             mask = kwargs.get("attention_mask")
             if mask is not None and not bool(mask.all()):
-                raise ValueError("a padding attention_mask under sequence parallelism is not "
-                                 "supported by this parallelize.py (shardc's default one runs it)")
+                raise ValueError("a padding attention_mask through pipeline stages under "
+                                 "sequence parallelism is not supported")
 
         model.register_forward_pre_hook(refuse, with_kwargs=True)
     mesh = batch_mesh(world_mesh)
     if mesh is None:
+        _install_tp_rows(model, world_mesh, tp_rows)
         return model
     n, i = mesh.size(), mesh.get_local_rank()
 
@@ -92,8 +98,24 @@ def install_batch_split(model: nn.Module, world_mesh, padding_ok: bool = True) -
         return out
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
+    _install_tp_rows(model, world_mesh, tp_rows)  # after the dp x ep slice
     model.register_forward_hook(post, with_kwargs=True)
     return model
+
+
+def _install_tp_rows(model: nn.Module, world_mesh, tp_rows: bool) -> None:
+    """The ``tp_rows`` slice of :func:`install_batch_split`."""
+    tp_mesh = submesh(world_mesh, ("tp",))
+    if tp_rows and tp_mesh is not None and tp_mesh.size() > 1:
+        n_tp, i_tp = tp_mesh.size(), tp_mesh.get_local_rank()
+
+        def tp_slice(mod, args, kwargs):
+            kwargs = {k: v.chunk(n_tp, dim=0)[i_tp] if k in ("attention_mask", "position_ids")
+                      and isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] > 1
+                      else v for k, v in kwargs.items()}
+            return args, kwargs
+
+        model.register_forward_pre_hook(tp_slice, with_kwargs=True)
 
 
 def apply_plan(model: nn.Module, plan: dict, world_mesh) -> nn.Module:

@@ -90,6 +90,43 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
+_WHOLE_ROWS: list = []  # [(mask, mesh, gathered)]: the last mask gathered (one per forward)
+
+
+def whole_rows(x, device_mesh):
+    """All tp ranks' batch rows of ``x`` (a 4-D attention mask or a per-row rotary table the
+    model built for this rank's rows under sequence parallelism), all-gathered over
+    ``device_mesh`` along dim 0 for an attention core that runs on whole rows; the same
+    tensor (every layer gets the model's one mask) is gathered once. Not a tensor, or one
+    row broadcast over the batch: as is."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 1:
+        return x
+    for mask, mesh, gathered in _WHOLE_ROWS:
+        if mask is x and mesh is device_mesh:
+            return gathered
+    t = x.to(torch.uint8) if x.dtype == torch.bool else x  # gloo gathers no bool
+    gathered = move(t.contiguous(), device_mesh, Shard(0), Replicate())
+    gathered = gathered.to(torch.bool) if x.dtype == torch.bool else gathered
+    _WHOLE_ROWS[:] = [(x, device_mesh, gathered)]
+    return gathered
+
+
+def _gather_row_inputs(kwargs: dict, device_mesh) -> dict:
+    """``kwargs`` of an attention module with its 4-D mask and per-row rotary tables of this
+    rank's rows made whole (:func:`whole_rows`)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("attention_mask") is not None:
+        kwargs["attention_mask"] = whole_rows(kwargs["attention_mask"], device_mesh)
+    pe = kwargs.get("position_embeddings")
+    if isinstance(pe, tuple):
+        kwargs["position_embeddings"] = tuple(whole_rows(t, device_mesh) for t in pe)
+    return kwargs
+
+
+def _rows_split(layout) -> bool:
+    return isinstance(layout, Shard) and layout.dim == 0
+
+
 def _rows(x, n: int, i: int):
     """Rank ``i``'s batch rows of ``x`` (a tensor whose dim 0 is the batch, else as is)."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1:
@@ -243,14 +280,20 @@ class WeightRowwiseParallel(RowwiseParallel):
 class PrepareHiddenStates(ParallelStyle):
     """``PrepareModuleInput`` for a module's first input, whether passed positionally (GPT-2,
     plain models) or as ``hidden_states=`` (HF decoder layers): the local tensor at
-    ``input_layouts`` is moved to ``desired_input_layouts``."""
+    ``input_layouts`` is moved to ``desired_input_layouts``. When that makes this rank's
+    rows (``Shard(0)``, sequence parallelism) whole, a 4-D attention mask and per-row rotary
+    tables the model built for those rows are all-gathered too (:func:`whole_rows`)."""
 
     def __init__(self, *, input_layouts, desired_input_layouts):
         super().__init__()
         self.src, self.dst = input_layouts, desired_input_layouts
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        gather = _rows_split(self.src) and not _rows_split(self.dst)
+
         def pre(mod, args, kwargs):
+            if gather:  # the rows become whole: so do the mask and rotary tables
+                kwargs = _gather_row_inputs(kwargs, device_mesh)
             if args:
                 return (move(args[0], device_mesh, self.src, self.dst), *args[1:]), kwargs
             kwargs = dict(kwargs)
@@ -336,13 +379,6 @@ class GroupedKVAttention(PrepareHiddenStates):
         return module
 
 
-def _one_row(x):
-    """Row 0 of a tensor whose dim 0 is the batch (kept as a broadcastable batch of 1)."""
-    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1:
-        return x[:1]
-    return x
-
-
 class CoreRowsAttention(ParallelStyle):
     """An attention module whose core computes on other batch rows than its q/k/v
     projections read: the walk's repair between the projections and the core moves rows.
@@ -359,8 +395,8 @@ class CoreRowsAttention(ParallelStyle):
       split): the projections compute on this rank's rows (``Shard(0)``) and their styles
       all-to-all the outputs to ``Shard(-1)`` (whole rows, this rank's heads); the module's
       own forward sees a zero-copy stand-in of the whole batch's shape (``expand``: it only
-      sizes its views from it), and a 4-D mask / per-row rotary tables of one row (every row
-      is the same causal sequence: a padding mask is refused under sequence parallelism).
+      sizes its views from it), and the 4-D mask / per-row rotary tables the model built for
+      this rank's rows all-gathered (:func:`whole_rows`).
 
     ``input_layouts`` / ``desired_input_layouts``: the module's input is moved first, as
     :class:`PrepareHiddenStates`. ``heads_split``: a packed q|k|v's head-count attributes
@@ -391,7 +427,8 @@ class CoreRowsAttention(ParallelStyle):
             elif rows_split:
                 view, pick = _rows(x, n, i), lambda t: _rows(t, n, i)
             else:
-                view, pick = x[:1].expand(x.shape[0] * n, *x.shape[1:]), _one_row
+                view, pick = x[:1].expand(x.shape[0] * n, *x.shape[1:]), \
+                    lambda t: whole_rows(t, device_mesh)
             state["view"], state["x"] = view, x
             if "attention_mask" in kwargs:
                 kwargs["attention_mask"] = pick(kwargs["attention_mask"])
