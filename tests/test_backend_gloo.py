@@ -118,9 +118,8 @@ def deepseek_cases(code: str | None) -> list[Case]:
 
 def emit_code(model_file: str, degrees: dict, choices: dict, out: Path) -> str:
     """plan (tiny graph) -> parallelize.py on disk (ruff-checked by :func:`ruff_clean`)."""
-    from shardc.backends.apply import strategy_from_names
     from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
     graph = load_graph(model_file, tiny=True)

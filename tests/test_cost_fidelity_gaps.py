@@ -18,14 +18,13 @@ import pytest
 from cost_graphs import fixture_graph
 from family_matrix import config_path, tiny_config
 
-from shardc.backends.apply import strategy_from_names
 from shardc.cost import CostModel
 from shardc.cost import collectives as coll
 from shardc.cost.capacity import weight_and_kv_bytes
 from shardc.cost.topology import mesh_groups
 from shardc.frontends import graph_from_module
 from shardc.frontends.hf_build import build_causal_lm, token_ids
-from shardc.ir.strategy import Mesh, Workload
+from shardc.ir.strategy import Mesh, Workload, strategy_from_names
 from shardc.passes.layers import decode_flops_per_token
 
 _SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,

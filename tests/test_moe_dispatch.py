@@ -160,19 +160,18 @@ MOE_CHOICES = {"embedding": "vocab", "moe_block.qkv": "col", "moe_block.attn_cor
                "moe_block.expert_ffn1": "col", "moe_block.expert_ffn2": "row", "lm_head": "col"}
 
 
-@pytest.mark.parametrize("runtime,degrees", [("torch_style", {"tp": 4}),
-                                             ("torch_style", {"tp": 2, "ep": 2}),
-                                             ("shardc_backend", {"tp": 4})])
-def test_backend_moe_collectives_are_the_cost_models(runtime, degrees):
+@pytest.mark.parametrize("degrees", [{"tp": 4}, {"tp": 2, "ep": 2}])
+def test_backend_moe_collectives_are_the_cost_models(degrees):
     """The MoE block of the tiny Mixtral (col/row experts, replicated router) on fake ranks
     issues exactly the cost model's experts-branch collectives: the tp all-reduce of the
     combined ``[T, hidden]`` output (not of the ``T x top_k`` routed rows) and, with ep,
     the dispatch / combine of the routed rows (plus the exempt count exchange)."""
-    from collective_record import CollectiveRecorder, group_names, model_meshes
+    from collective_record import CollectiveRecorder, group_names
+    from torch.distributed.device_mesh import init_device_mesh
 
-    from shardc.backends.apply import apply, strategy_from_names
     from shardc.backends.verify import _build
     from shardc.frontends import load_graph
+    from shardc.ir.strategy import strategy_from_names
     from shardc.plan import build_plan
 
     tokens = 8
@@ -183,22 +182,16 @@ def test_backend_moe_collectives_are_the_cost_models(runtime, degrees):
     _fake(world)
     try:
         model, _ = _build(MIXTRAL, 1, 1)
-        if runtime == "torch_style":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            graph = load_graph(MIXTRAL, tiny=True)
-            plan = build_plan(graph, strategy, Mesh(world, 1), "h100",
-                              Workload(batch=strategy.batch, context=512))
-            spec = importlib.util.spec_from_loader("moe_dispatch_parallelize", loader=None)
-            code = importlib.util.module_from_spec(spec)
-            exec(compile(plan.code(standalone=True), "<parallelize.py>", "exec"), code.__dict__)
-            mesh = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
-                                    mesh_dim_names=tuple(code.MESH_DIM_NAMES))
-            code.parallelize(model, world_mesh=mesh)
-            groups = group_names([mesh])
-        else:
-            apply(model, strategy)
-            groups = group_names(model_meshes(model))
+        graph = load_graph(MIXTRAL, tiny=True)
+        plan = build_plan(graph, strategy, Mesh(world, 1), "h100",
+                          Workload(batch=strategy.batch, context=512))
+        spec = importlib.util.spec_from_loader("moe_dispatch_parallelize", loader=None)
+        code = importlib.util.module_from_spec(spec)
+        exec(compile(plan.code(standalone=True), "<parallelize.py>", "exec"), code.__dict__)
+        mesh = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
+                                mesh_dim_names=tuple(code.MESH_DIM_NAMES))
+        code.parallelize(model, world_mesh=mesh)
+        groups = group_names([mesh])
         hidden = model.config.hidden_size
         x = torch.randn(tokens, 1, hidden)
         with torch.no_grad(), CollectiveRecorder(groups) as rec:
@@ -208,11 +201,8 @@ def test_backend_moe_collectives_are_the_cost_models(runtime, degrees):
     finally:
         dist.destroy_process_group()
     got = sorted(rec.records)
-    if runtime == "torch_style" and ep > 1:  # exempt: the per-expert counts exchanged first
+    if ep > 1:  # exempt: the per-expert counts exchanged first
         got.remove(("all_to_all", "ep", model.config.num_local_experts * 8))
-    if runtime == "shardc_backend":  # exempt: the capacity agreed per mesh dim (one int64 MAX)
-        for dim in degrees:
-            got.remove(("all_reduce", dim, 8))
     assert got == want
     assert ("all_reduce", "tp", tokens * hidden * 4) in got
     assert want.count(("all_reduce", "tp", tokens * hidden * 4)) == 1

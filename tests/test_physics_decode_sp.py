@@ -78,8 +78,8 @@ def test_decode_sp_collectives_are_what_the_torch_style_file_issues():
     """One decode step ([batch, 1] ids) of the torch-style file under sp issues exactly the
     collectives the decode cost model charges (as tests/test_runtime_styles_bytes.py)."""
 
-    from shardc.backends.apply import strategy_from_names
     from shardc.frontends import load_graph
+    from shardc.ir.strategy import strategy_from_names
     from shardc.plan import build_plan
 
     name = "llama megatron + sequence parallel tp4"

@@ -117,7 +117,7 @@ def gqa_plans(tmp_path_factory):
     for name, choices in {"megatron dims": DENSE,
                           "qkv rep": _with(DENSE, D, qkv="rep"),
                           "qkv row": _with(DENSE, D, qkv="row")}.items():
-        from shardc.backends.apply import strategy_from_names
+        from shardc.ir.strategy import strategy_from_names
 
         st = strategy_from_names({"tp": 4}, choices, 8)
         plans[name] = build_plan(graph, st, Mesh(4, 1), "h100", Workload(batch=8, context=512))

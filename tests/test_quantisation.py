@@ -78,8 +78,8 @@ def test_plan_json_records_the_formats_and_loads_them(tmp_path):
     wl = json.loads(out.read_text())["workload"]
     assert (wl["weights"], wl["kv_cache"]) == ("fp8", "fp8")
 
-    from shardc.backends.apply import strategy_from_names
     from shardc.frontends import load_graph
+    from shardc.ir.strategy import strategy_from_names
     from shardc.plan import build_plan
 
     graph = load_graph(LLAMA, tiny=True)

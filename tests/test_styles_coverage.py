@@ -29,9 +29,8 @@ MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col"
 def build(model_file: str, degrees: dict, overrides: dict | None = None, batch: int = 8):
     """Plan of the tiny graph of ``model_file``: Megatron choices with ``overrides`` (op ->
     choice name, every layer kind)."""
-    from shardc.backends.apply import strategy_from_names
     from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
     graph = load_graph(model_file, tiny=True)

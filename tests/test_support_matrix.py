@@ -101,11 +101,10 @@ def _trace_and_plan(name: str, folder: Path):
 
 def _cases(name: str, model_file: Path, folder: Path) -> list:
     """Emitted parallelize.py of a tp=2 plan + two runtime strategies for the tiny variant."""
-    from shardc.backends.apply import strategy_from_names
     from shardc.backends.verify import Case
     from shardc.frontends import load_graph
     from shardc.ir.contract import CHOICE_NAMES
-    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
     graph = load_graph(model_file, tiny=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
@@ -62,6 +63,30 @@ def _import_block(straight: set[str], froms: dict[str, set[str]]) -> str:
     return "\n".join(lines)
 
 
+@lru_cache(maxsize=None)
+def _runtime_module(name: str) -> tuple[str, frozenset, tuple]:
+    """One runtime module's code without its docstring and imports, and its imports
+    (``import x`` names; ``(module, names)`` of each ``from`` import but shardc's and
+    ``__future__``), parsed once per process."""
+    src = (RUNTIME_DIR / name).read_text()
+    lines = src.splitlines()
+    drop, straight, froms = set(), set(), []
+    tree = ast.parse(src)
+    for i, node in enumerate(tree.body):
+        doc = i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        if isinstance(node, ast.Import):
+            straight.update(a.name + (f" as {a.asname}" if a.asname else "")
+                            for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.module != "__future__" and not node.module.startswith("shardc"):
+                froms.append((node.module, tuple(a.name for a in node.names)))
+        elif not doc:
+            continue
+        drop.update(range(node.lineno - 1, node.end_lineno))
+    body = "\n".join(line for i, line in enumerate(lines) if i not in drop).strip("\n")
+    return body, frozenset(straight), tuple(froms)
+
+
 def _runtime_sources(straight: set[str], froms: dict[str, set[str]], pipeline: bool = False) -> str:
     """The runtime modules' code without docstrings and imports (collected into
     ``straight`` / ``froms``), in :data:`shardc.runtime.SOURCES` order (then
@@ -70,22 +95,10 @@ def _runtime_sources(straight: set[str], froms: dict[str, set[str]], pipeline: b
 
     parts = []
     for name in SOURCES + (PIPELINE_SOURCES if pipeline else ()):
-        src = (RUNTIME_DIR / name).read_text()
-        lines = src.splitlines()
-        drop = set()
-        tree = ast.parse(src)
-        for i, node in enumerate(tree.body):
-            doc = i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-            if isinstance(node, ast.Import):
-                straight.update(a.name + (f" as {a.asname}" if a.asname else "")
-                                for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.module != "__future__" and not node.module.startswith("shardc"):
-                    froms.setdefault(node.module, set()).update(a.name for a in node.names)
-            elif not doc:
-                continue
-            drop.update(range(node.lineno - 1, node.end_lineno))
-        body = "\n".join(line for i, line in enumerate(lines) if i not in drop).strip("\n")
+        body, names, from_imports = _runtime_module(name)
+        straight.update(names)
+        for module, imported in from_imports:
+            froms.setdefault(module, set()).update(imported)
         parts.append(f"# ---- shardc.runtime.{name[:-3]} (inlined; torch only) ----\n\n\n{body}")
     return "\n\n\n".join(parts)
 

@@ -1,4 +1,5 @@
-"""Where the fused ops live in the model families the DTensor backend knows.
+"""Where the fused ops live in the model families the DTensor backend knows (the structure
+:mod:`shardc.backends.support` checks before compile writes anything).
 
 An adapter answers "which modules run op X of layer i" for one family: HF decoder-only
 causal LMs in the Llama mould (``model.model.layers[i].self_attn.{q,k,v,o}_proj``, dense
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -183,8 +183,6 @@ class HFCausalLM:
                          (mlp.down_proj, f"{pre}.mlp.down_proj"))
         return sites
 
-    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
-        return _HFStage(self, layers, first, last)
 
 
 def layer_norms(layer: nn.Module, pre: str) -> list[tuple[nn.Module, str]]:
@@ -214,30 +212,6 @@ def _mla_site(a: nn.Module, pre: str, cfg) -> AttentionSite:
                          (a.o_proj, f"{pre}.o_proj"), 1, heads, heads,
                          down=[(a.q_a_proj, f"{pre}.q_a_proj"), kv_down],
                          down_norms=[(a.q_a_layernorm, f"{pre}.q_a_layernorm"), kv_norm])
-
-
-class _HFStage(nn.Module):
-    def __init__(self, ad: HFCausalLM, layers: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        self.embed = ad.inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(ad.inner.layers[i] for i in layers)
-        self.rotary = ad.inner.rotary_emb
-        self.norm = ad.inner.norm if last else None
-        self.lm_head = ad.model.lm_head if last else None
-        self.softcap = getattr(ad.config, "final_logit_softcapping", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.first else x
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        pe = self.rotary(h, position_ids=pos)
-        for layer in self.layers:
-            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
-        if self.last:
-            h = self.lm_head(self.norm(h))
-            if self.softcap:  # Gemma-2: the CausalLM's final logit softcapping
-                h = torch.tanh(h / self.softcap) * self.softcap
-        return h
 
 
 class GPTMoEModel:
@@ -281,24 +255,6 @@ class GPTMoEModel:
                        "w_in", "w_out", False, False, F.gelu, cfg.top_k, cfg.num_experts)
         return LayerSites(i, lay, pre, att, norms, moe=site)
 
-    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
-        return _GPTStage(self.model, layers, first, last)
-
-
-class _GPTStage(nn.Module):
-    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        self.embed = model.embed if first else None
-        self.layers = nn.ModuleList(model.layers[i] for i in layers)
-        self.ln_f = model.ln_f if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.first else x
-        for layer in self.layers:
-            h = layer(h)
-        return self.lm_head(self.ln_f(h)) if self.last else h
 
 
 class GPT2LMHead:
@@ -348,27 +304,6 @@ class GPT2LMHead:
         mlp = ([(lay.mlp.c_fc, f"{pre}.mlp.c_fc")], (lay.mlp.c_proj, f"{pre}.mlp.c_proj"))
         return LayerSites(i, lay, pre, att, layer_norms(lay, pre), mlp=mlp)
 
-    def stage(self, layers: list[int], first: bool, last: bool) -> nn.Module:
-        return _GPT2Stage(self, layers, first, last)
-
-
-class _GPT2Stage(nn.Module):
-    def __init__(self, ad: GPT2LMHead, layers: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        self.wte = ad.inner.wte if first else None
-        self.wpe = ad.inner.wpe if first else None
-        self.layers = nn.ModuleList(ad.inner.h[i] for i in layers)
-        self.ln_f = ad.inner.ln_f if last else None
-        self.lm_head = ad.model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            x = self.wte(x) + self.wpe(pos)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.ln_f(x)) if self.last else x
 
 
 ADAPTERS = (HFCausalLM, GPTMoEModel, GPT2LMHead)

@@ -8,10 +8,11 @@
   router and expert weights, the layer's own norms, q/k norms inside attention) -- an
   unplaced one (an attention sink, an expert bias, a shared-expert gate) is a part the
   sharded forward would skip;
-* the MoE routing must be one :func:`shardc.backends.moe.route` implements
-  (:func:`shardc.backends.models.routing_kind`), the stacked expert weights in the layout
-  the runtime reads;
-* q/k norms inside attention must be weight-only RMSNorms (:func:`attention.qk_norm`);
+* the MoE routing must be one shardc models and charges (softmax top-k, DeepSeek-V2 / V3,
+  sparsemixer: :func:`shardc.backends.models.routing_kind`; the runtime runs the model's own
+  router), the stacked expert weights in the layout the runtime reads;
+* q/k norms inside attention must be weight-only RMSNorms (per head, or over the whole
+  projection: ``FullWidthNormParallel``);
 * attention features the layout-aware forward does not implement are refused (chunked
   attention, layers without rotary embeddings).
 

@@ -2,7 +2,9 @@
 
 One launch runs a whole list of strategies (process start-up dominates the cost): every rank
 builds the model from the same seed, computes the reference logits unsharded, then for each
-strategy builds a fresh copy, shards it (:func:`shardc.backends.apply.apply`), runs the same
+strategy builds a fresh copy, shards it with the ``parallelize.py`` of the strategy's plan
+(:func:`plan_code`: the plan built on the model's traced graph, the file ``Plan.code``
+emits and ``Plan.apply`` runs; or a given file), runs the same
 batch and reports ``max |sharded - reference| / max |reference|`` from the ranks that hold
 logits (the last pipeline stage). Logits with a NaN or an infinity on either side (or an
 all-zero reference) are an error of the case, never a small error (:func:`compare_logits`,
@@ -39,17 +41,16 @@ class Case:
     kv_cache: int = 0  # >0: run the prompt minus its last N tokens, then N cached steps
     padded: str = ""  # "right" / "left": pad every other sequence (a padding attention_mask)
 
-    def strategy(self) -> Strategy:
-        from shardc.backends.apply import strategy_from_names
+    def strategy(self, batch: int = 1) -> Strategy:
+        from shardc.ir.strategy import strategy_from_names
 
-        return strategy_from_names(self.degrees, self.choices)
+        return strategy_from_names(self.degrees, self.choices, batch)
 
 
 def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int,
             out_dir: str) -> None:
     import torch.distributed as dist
 
-    from shardc.backends.apply import apply
     from shardc.frontends import graph_from_module
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -79,8 +80,8 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                     else:
                         if not graph:
                             graph.append(graph_from_module(model, (ids,), name="verify"))
-                        sharded = apply(fresh, case.strategy(), layer_kinds=case.layer_kinds,
-                                        params=_params_rows(graph[0], case, model))
+                        text = plan_code(graph[0], case, batch, seq)
+                        sharded = _load_code(None, text).parallelize(fresh)
                     if case.corrupt and rank == 0:
                         _perturb(sharded)
                     expect = ref
@@ -119,14 +120,23 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
         dist.destroy_process_group()
 
 
-def _params_rows(graph, case: Case, model) -> list[dict]:
-    """plan.json params rows of ``case`` on the traced ``graph`` (as ``build_plan`` writes)."""
-    from shardc.backends.layout import param_plan
-    from shardc.backends.models import default_layer_kinds
+def plan_code(graph, case: Case, batch: int, seq: int) -> str:
+    """The default ``parallelize.py`` (on torch's styles, importing ``shardc.runtime``) of
+    ``case``'s strategy, planned on ``graph`` (the model traced) for a one-node mesh of its
+    ranks and a ``batch x seq`` workload. ``case.layer_kinds``, when given, must be the
+    graph's."""
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.plan import build_plan
 
-    kinds = {i: k for k, ls in case.layer_kinds.items() for i in ls} \
-        if case.layer_kinds is not None else default_layer_kinds(model)
-    return param_plan(graph, case.strategy(), kinds)
+    st = case.strategy(batch)
+    plan = build_plan(graph, st, Mesh(st.degrees.world, 1), "h100",
+                      Workload(batch=batch, context=seq))
+    if case.layer_kinds is not None:
+        want = {k: sorted(v) for k, v in case.layer_kinds.items()}
+        have = {k: sorted(v) for k, v in plan.layer_kind_map().items()}
+        if want != have:
+            raise ValueError(f"layer kinds {want} are not the traced graph's {have}")
+    return plan.code()
 
 
 def _load_code(path: str | None, text: str | None = None):
@@ -266,7 +276,7 @@ def run_cases(model_ref: str, cases: list[Case], world: int, batch: int | None =
 # transformers and shardc again (start-up dominated the launch: ~4x the import CPU time).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers",
             "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-            "shardc.frontends.model_file", "shardc.backends.apply", "shardc.backends.verify",
+            "shardc.frontends.model_file", "shardc.plan", "shardc.backends.verify",
             "shardc.frontends.torch_export", "shardc.passes", "shardc.testing.launch"]
 
 

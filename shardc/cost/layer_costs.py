@@ -274,7 +274,7 @@ def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
     return np.where(rows, tp / (1.0 + share * (rep - 1.0)), tp)
 
 
-QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (backends.attention)
+QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (FullWidthNormParallel)
 
 
 def qk_norm_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarray, np.ndarray]:

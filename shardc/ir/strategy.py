@@ -295,3 +295,15 @@ def pipeline_stages(num_layers: int, pp: int) -> list[int]:
     """Stage index of each decoder layer (:func:`stage_layer_ranges` as a per-layer list).
     The embedding lives on stage 0, the final norm and lm_head on stage ``pp - 1``."""
     return [s for s, layers in enumerate(stage_layer_ranges(num_layers, pp)) for _ in layers]
+
+
+def strategy_from_names(degrees: dict, choices: dict, batch: int = 1) -> Strategy:
+    """Strategy from plan-style data: ``{"tp": 8, ...}`` and ``{"<kind>.<op>": "col", ...}``
+    (choice names or indices)."""
+    from shardc.ir.contract import CHOICE_NAMES
+
+    idx = {}
+    for slot, c in choices.items():
+        names = CHOICE_NAMES[slot.split(".")[-1]]
+        idx[slot] = c if isinstance(c, int) else names.index(c)
+    return Strategy(Degrees(**degrees), int(batch), idx)
