@@ -420,3 +420,21 @@ def _check_layers(data: dict, deg: Degrees, where: str) -> None:
                                  f"has {n_layers} layers")
             if stage is not None and not 0 <= stage < deg.pp:
                 raise InputError(f"{where}: {what} {r[key]!r} is on stage {stage}; pp={deg.pp}")
+
+
+def strategy_code(graph: Graph, strategy: Strategy, batch: int, seq: int,
+                  layer_kinds: dict | None = None) -> str:
+    """The default ``parallelize.py`` of ``strategy`` planned on ``graph`` (a model traced)
+    for a one-node mesh of its ranks and a ``batch x seq`` workload: what ``shardc verify``'s
+    strategy cases run (:func:`shardc.backends.verify.run_suites` ``plan_code``).
+    ``layer_kinds`` (kind -> layers), when given, must be the graph's."""
+    from shardc.ir.strategy import Mesh, Workload
+
+    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
+                      Workload(batch=batch, context=seq))
+    if layer_kinds is not None:
+        want = {k: sorted(v) for k, v in layer_kinds.items()}
+        have = {k: sorted(v) for k, v in plan.layer_kind_map().items()}
+        if want != have:
+            raise ValueError(f"layer kinds {want} are not the traced graph's {have}")
+    return plan.code()

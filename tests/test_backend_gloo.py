@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from shardc.backends.verify import Case, run_suites
+from shardc.plan import strategy_code
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "examples" / "tiny_llama.py")
@@ -197,7 +198,7 @@ def gloo_results(tmp_path_factory, verify_plan):
     suites = [(LLAMA, llama_cases(llama_code) + [scaled]),
               (MIXTRAL, moe_cases("mixtral", mixtral_code, kv_cache=True)),
               (GPT_MOE, moe_cases("gpt_moe", gpt_code)), (DEEPSEEK, deepseek_cases(ds_code))]
-    results = run_suites(suites, world=4)
+    results = run_suites(suites, world=4, plan_code=strategy_code)
     return {r["name"]: r for r in results}
 
 
@@ -242,6 +243,6 @@ def test_eight_ranks():
     cases = [Case("mixtral tp2 ep2 dp2", {"tp": 2, "ep": 2, "dp": 2}, MOE, L),
              Case("mixtral tp4 ep2 sp", {"tp": 4, "ep": 2, "sp": 4},
                   _with(MOE, M, expert_ffn2="col"), L)]
-    for r in run_suites([(MIXTRAL, cases)], world=8):
+    for r in run_suites([(MIXTRAL, cases)], world=8, plan_code=strategy_code):
         assert r["error"] is None, r
         assert r["rel_err"] <= TOL, r

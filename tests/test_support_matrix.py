@@ -150,6 +150,7 @@ def matrix(tmp_path_factory) -> list[dict]:
     from shardc.backends.support import backend_problem
     from shardc.backends.verify import run_suites
     from shardc.frontends.model_file import load_model_file
+    from shardc.plan import strategy_code
 
     folder = tmp_path_factory.mktemp("support")
     rows, suites = [], []
@@ -170,7 +171,8 @@ def matrix(tmp_path_factory) -> list[dict]:
             except ShardcError as e:
                 row["backend"] = _refused(e, folder)
         rows.append(row)
-    results = {r["name"]: r for r in run_suites(suites, world=4)} if suites else {}
+    results = {r["name"]: r for r in run_suites(suites, world=4, plan_code=strategy_code)} \
+        if suites else {}
     for row in rows:
         if "backend" in row:
             continue

@@ -2,9 +2,10 @@
 
 One launch runs a whole list of strategies (process start-up dominates the cost): every rank
 builds the model from the same seed, computes the reference logits unsharded, then for each
-strategy builds a fresh copy, shards it with the ``parallelize.py`` of the strategy's plan
-(:func:`plan_code`: the plan built on the model's traced graph, the file ``Plan.code``
-emits and ``Plan.apply`` runs; or a given file), runs the same
+strategy builds a fresh copy, shards it with a given ``parallelize.py`` or, for a case given
+as degrees and choices, the one of the strategy's plan on the model's traced graph (the
+file ``Plan.code`` emits and ``Plan.apply`` runs; ``plan_code``, e.g.
+:func:`shardc.plan.strategy_code`), runs the same
 batch and reports ``max |sharded - reference| / max |reference|`` from the ranks that hold
 logits (the last pipeline stage). Logits with a NaN or an infinity on either side (or an
 all-zero reference) are an error of the case, never a small error (:func:`compare_logits`,
@@ -48,7 +49,7 @@ class Case:
 
 
 def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int,
-            out_dir: str) -> None:
+            plan_code, out_dir: str) -> None:
     import torch.distributed as dist
 
     from shardc.frontends import graph_from_module
@@ -80,7 +81,10 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                     else:
                         if not graph:
                             graph.append(graph_from_module(model, (ids,), name="verify"))
-                        text = plan_code(graph[0], case, batch, seq)
+                        if plan_code is None:
+                            raise ValueError("a strategy case needs run_suites(plan_code=...)")
+                        text = plan_code(graph[0], case.strategy(batch), batch, seq,
+                                         case.layer_kinds)
                         sharded = _load_code(None, text).parallelize(fresh)
                     if case.corrupt and rank == 0:
                         _perturb(sharded)
@@ -118,25 +122,6 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, allow_nan=False)
         dist.destroy_process_group()
-
-
-def plan_code(graph, case: Case, batch: int, seq: int) -> str:
-    """The default ``parallelize.py`` (on torch's styles, importing ``shardc.runtime``) of
-    ``case``'s strategy, planned on ``graph`` (the model traced) for a one-node mesh of its
-    ranks and a ``batch x seq`` workload. ``case.layer_kinds``, when given, must be the
-    graph's."""
-    from shardc.ir.strategy import Mesh, Workload
-    from shardc.plan import build_plan
-
-    st = case.strategy(batch)
-    plan = build_plan(graph, st, Mesh(st.degrees.world, 1), "h100",
-                      Workload(batch=batch, context=seq))
-    if case.layer_kinds is not None:
-        want = {k: sorted(v) for k, v in case.layer_kinds.items()}
-        have = {k: sorted(v) for k, v in plan.layer_kind_map().items()}
-        if want != have:
-            raise ValueError(f"layer kinds {want} are not the traced graph's {have}")
-    return plan.code()
 
 
 def _load_code(path: str | None, text: str | None = None):
@@ -282,10 +267,12 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transform
 
 def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | None = None,
                seq: int = 8, timeout_s: float = 900,
-               tiny_degrees: dict | None = None) -> list[dict]:
+               tiny_degrees: dict | None = None, plan_code=None) -> list[dict]:
     """Several models' cases in ONE launch (process start-up dominates): results in order.
     A suite is ``(model_ref, cases)`` or ``(model_ref, cases, tiny_degrees)`` (that model's
-    own; else ``tiny_degrees``)."""
+    own; else ``tiny_degrees``). ``plan_code(graph, strategy, batch, seq, layer_kinds)`` (a
+    module-level function, e.g. :func:`shardc.plan.strategy_code`) writes the
+    ``parallelize.py`` of a case given as degrees and choices."""
     from shardc.testing.launch import launch
 
     batch = batch or 2 * world
@@ -294,7 +281,8 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
     cases = [c for _, cs, _ in suites for c in cs]
     payload = [(m, [c.__dict__ for c in cs], degs) for m, cs, degs in suites]
     try:
-        per_rank = launch(_worker, world, (payload, batch, seq), timeout_s, _PRELOAD)
+        per_rank = launch(_worker, world, (payload, batch, seq, plan_code), timeout_s,
+                          _PRELOAD)
     except TimeoutError:
         raise TimeoutError(f"verify workers did not finish in {timeout_s:.0f} s") from None
     return [merge_rank_results(c.name, [rr[i] if i < len(rr) else None for rr in per_rank])
