@@ -6,7 +6,10 @@ torch styles newly cover (:mod:`test_styles_coverage`): the emitted standalone
 * OLMoE pp=2 x tp=2, attention split by heads (q/k norms over all heads);
 * tiny Mixtral pp=2 x tp=2 with the router row split;
 * Phi-3.5-MoE pp=2 x ep=2 (experts split over ep inside each stage). Tiny Mixtral
-  pp=2 x ep=2 is :mod:`test_pipeline_styles`' case, not repeated here.
+  pp=2 x ep=2 is :mod:`test_pipeline_styles`' case, not repeated here;
+* GPT-2 pp=2 x tp=2 (``transformer.h``, learned positions zero on the later stage, a tied
+  lm_head) and GPT-MoE pp=2 (a plain model: token ids in, hidden states through a
+  pass-through embedding) with tp + sp and with ep.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 from test_backend_gloo import TOL, ruff_clean
 from test_pipeline_styles import _world
 from test_runtime_styles import _imported_modules
-from test_styles_coverage import MIXTRAL, OLMOE, PHI, build
+from test_styles_coverage import GPT2, GPT_MOE, MIXTRAL, OLMOE, PHI, build
 
 from shardc.backends.verify import Case, run_suites
 
@@ -25,6 +28,10 @@ CASES = {
     "olmoe pp2 tp2 heads split (q/k norms over all heads)": (OLMOE, {"pp": 2, "tp": 2}, {}),
     "mixtral pp2 tp2 router row": (MIXTRAL, {"pp": 2, "tp": 2}, {"router": "row"}),
     "phi-3.5-moe pp2 ep2": (PHI, {"pp": 2, "ep": 2}, {}),
+    # layouts other than an HF model.layers (issue 20: formerly the first runtime's)
+    "gpt2 pp2 tp2 (transformer.h, learned positions, tied lm_head)": (GPT2, {"pp": 2, "tp": 2}, {}),
+    "gpt-moe pp2 tp2 sp (plain model: token ids in)": (GPT_MOE, {"pp": 2, "tp": 2, "sp": 2}, {}),
+    "gpt-moe pp2 ep2": (GPT_MOE, {"pp": 2, "ep": 2}, {}),
 }
 
 
@@ -57,7 +64,7 @@ def test_files_are_standalone_pipelines(emitted):
     for name, path in emitted.items():
         src = open(path).read()
         assert {m.split(".")[0] for m in _imported_modules(src)} <= {"torch", "__future__"}, name
-        assert "model = pipeline(model, world_mesh, microbatches=2)" in src, name
+        assert "model = pipeline(model, world_mesh, microbatches=2" in src, name
         assert "ModelSharder" not in src, name
 
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2 = str(ROOT / "examples" / "configs" / "gpt2" / "config.json")
 OLMOE = str(ROOT / "examples" / "configs" / "olmoe_1b_7b" / "config.json")
 MIXTRAL = str(ROOT / "examples" / "tiny_mixtral.py")
+LLAMA = str(ROOT / "examples" / "tiny_llama.py")
 GPT_MOE = str(ROOT / "examples" / "gpt_moe_1p6t.py")
 MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row",
             "router": "rep", "expert_ffn1": "col", "expert_ffn2": "row", "shared_ffn1": "col",
@@ -130,6 +131,43 @@ GLOO = {
         MIXTRAL, {"tp": 2, "dp": 2}, {"expert_ffn1": "rep", "expert_ffn2": "col"}),
     "mixtral tp2 ep2 experts row/col": (
         MIXTRAL, {"tp": 2, "ep": 2}, {"expert_ffn1": "row", "expert_ffn2": "col"}),
+    # formerly the first runtime's (issue 20): the core on other rows than q/k/v read
+    "llama tp2 dp2 batch attention after qkv col": (
+        LLAMA, {"tp": 2, "dp": 2}, {"qkv": "col", "attn_core": "batch", "out_proj": "row"}),
+    "llama tp4 sp batch attention after qkv col": (
+        LLAMA, {"tp": 4, "sp": 4}, {"qkv": "col", "attn_core": "batch", "out_proj": "col"}),
+    "llama tp4 sp qkv rep before a heads split": (LLAMA, {"tp": 4, "sp": 4}, {"qkv": "rep"}),
+    "gpt2 tp2 dp2 batch attention after packed qkv col": (
+        GPT2, {"tp": 2, "dp": 2}, {"qkv": "col", "attn_core": "batch", "out_proj": "row"}),
+    "gpt2 tp2 dp2 packed qkv rep / row before a heads split": (
+        GPT2, {"tp": 2, "dp": 2}, {"qkv": "row"}),
+    "gpt-moe tp2 ep2 sp packed qkv rep before a heads split": (
+        GPT_MOE, {"tp": 2, "ep": 2, "sp": 2}, {"qkv": "rep"}),
+    "deepseek tp4 MLA batch attention after qkv row": (
+        DEEPSEEK, {"tp": 4}, {"qkv": "row", "attn_core": "batch", "out_proj": "col"}),
+    "deepseek tp4 sp MLA rep before a heads split": (DEEPSEEK, {"tp": 4, "sp": 4}, {"qkv": "rep"}),
+    # expert pairs of GPT-MoE's plain [E, in, out] experts, and under sequence parallelism
+    "gpt-moe tp2 ep2 experts col/rep": (
+        GPT_MOE, {"tp": 2, "ep": 2}, {"expert_ffn1": "col", "expert_ffn2": "rep"}),
+    "gpt-moe tp4 experts row/row": (
+        GPT_MOE, {"tp": 4}, {"expert_ffn1": "row", "expert_ffn2": "row"}),
+    "gpt-moe tp2 ep2 sp experts row/col": (
+        GPT_MOE, {"tp": 2, "ep": 2, "sp": 2}, {"expert_ffn1": "row", "expert_ffn2": "col"}),
+    "mixtral tp2 ep2 sp experts col/rep": (
+        MIXTRAL, {"tp": 2, "ep": 2, "sp": 2}, {"expert_ffn1": "col", "expert_ffn2": "rep"}),
+    "mixtral tp4 sp experts rep/row": (
+        MIXTRAL, {"tp": 4, "sp": 4}, {"expert_ffn1": "rep", "expert_ffn2": "row"}),
+}
+# (case, base case, Case options): the same file with a padding mask / a KV cache
+VARIANTS = {
+    "llama tp4 sp qkv rep before a heads split, left padding": (
+        "llama tp4 sp qkv rep before a heads split", {"padded": "left"}),
+    "llama tp4 sp batch attention after qkv col, right padding": (
+        "llama tp4 sp batch attention after qkv col", {"padded": "right"}),
+    "llama tp2 dp2 batch attention after qkv col, KV cache": (
+        "llama tp2 dp2 batch attention after qkv col", {"kv_cache": 2}),
+    "deepseek tp4 sp MLA rep before a heads split, left padding": (
+        "deepseek tp4 sp MLA rep before a heads split", {"padded": "left"}),
 }
 
 
@@ -138,17 +176,19 @@ def gloo_results(tmp_path_factory):
     from shardc.backends.verify import Case, run_suites
 
     tmp = tmp_path_factory.mktemp("coverage")
-    suites = {}
+    suites, paths = {}, {}
     for i, (name, (model, degrees, overrides)) in enumerate(GLOO.items()):
-        path = tmp / f"case{i}_parallelize.py"
+        path = paths[name] = tmp / f"case{i}_parallelize.py"
         path.write_text(build(model, degrees, overrides).code(standalone=True))
         key = (model, tuple(sorted(degrees.items())) if model.endswith(".json") else ())
         suites.setdefault(key, []).append(Case(name, {}, {}, None, code=str(path)))
+        suites[key] += [Case(v, {}, {}, None, code=str(path), **opts)
+                        for v, (base, opts) in VARIANTS.items() if base == name]
     runs = [(model, cases, dict(degs) if degs else None) for (model, degs), cases in suites.items()]
     return {r["name"]: r for r in run_suites(runs, world=4)}
 
 
-@pytest.mark.parametrize("name", list(GLOO))
+@pytest.mark.parametrize("name", [*GLOO, *VARIANTS])
 def test_covered_families_match_unsharded(gloo_results, name):
     r = gloo_results[name]
     assert r["error"] is None, r["error"]

@@ -471,7 +471,8 @@ class RouterParallel(ParallelStyle):
     shards it and its input as a DTensor, so its own code runs on DTensors: the softmax over
     the sharded expert scores all-gathers them (col) or reduces the partial sums (row), the
     collective the plan charges (under sequence parallelism: an all-gather / all-reduce of
-    the scores where the plan charges an all-to-all / reduce-scatter); its outputs leave at
+    the scores where the plan charges an all-to-all / reduce-scatter; its floating buffers,
+    DeepSeek-V3's score correction bias, become replicated DTensors); its outputs leave at
     the style's output layout (a token-row split is a local slice), as local tensors (the
     returned raw scores, unused by the block's forward, are gathered too: not charged)."""
 
@@ -487,6 +488,11 @@ class RouterParallel(ParallelStyle):
         dt = distribute_tensor(module.weight.detach(), device_mesh,
                                [Shard(1) if row else Shard(0)], src_data_rank=self.src_data_rank)
         module.register_parameter("weight", nn.Parameter(dt, requires_grad=False))
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_floating_point():  # e.g. DeepSeek-V3's score
+                # correction bias, added to the sharded scores: replicated DTensors too
+                module.register_buffer(name, distribute_tensor(
+                    buf, device_mesh, [Replicate()], src_data_rank=self.src_data_rank))
         src, out = self.style.input_layouts[0], self.style.output_layouts[0]
         need = Shard(-1) if row else Replicate()
 
