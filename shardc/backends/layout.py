@@ -7,9 +7,9 @@ depends on how the model stores it (``nn.Linear`` keeps ``[out, in]``, GPT-2's C
 ``[in, out]``, GPT-MoE's experts ``[E, in, out]``, HF Mixtral's ``[E, out, in]``; DeepSeek's
 MLA ``qkv`` shards only its up projections). plan.json's ``params`` rows (:func:`param_plan`)
 take it from the graph (:mod:`shardc.ir.param_roles`: the fused op reading the parameter and
-the dims as it reads them), and the torch-style runtime reads those rows.
-Both runtimes read those rows (the first one, :mod:`shardc.backends.runtime`, through
-:func:`rows_by_fqn`). :data:`PARAM_ROLES`, keyed by parameter-name patterns, is the older
+the dims as it reads them), and the runtime's styles are chosen from those rows
+(:mod:`shardc.backends.torch_styles`). :data:`PARAM_ROLES`, keyed by parameter-name
+patterns, is the older
 table, used in one place only: rows of a plan written before the IR fields existed get them
 from it (:func:`rows_with_ops`).
 
@@ -166,23 +166,6 @@ def rows_with_ops(rows: list[dict]) -> list[dict]:
                 width = shape[0 if bias else role.dims[0]]
                 extra["parts"] = [width // role.fused] * role.fused
         out.append({**r, **extra})
-    return out
-
-
-def rows_by_fqn(rows: list[dict], last_stage: int) -> dict[str, dict]:
-    """FQN -> params row (:func:`rows_with_ops`), with a row for each module that reads a
-    tied weight through its own parameter (``tied``: GPT-2's ``lm_head.weight`` reading
-    ``transformer.wte.weight``): the reading op's, the same ``split_dims`` (a tied table is
-    cut along vocab / hidden alike), on ``last_stage`` (the only tied reader the IR records
-    reads the table after the layers)."""
-    out: dict[str, dict] = {}
-    for r in rows_with_ops(rows):
-        out.setdefault(str(r["fqn"]), r)
-        leaf = str(r["fqn"]).rsplit(".", 1)[-1]
-        for t in r.get("tied", []):
-            alias = f"{t['module']}.{leaf}" if t["module"] else leaf
-            out.setdefault(alias, {**r, "fqn": alias, "op": str(t["op"]), "tied": [],
-                                   "stage": last_stage})
     return out
 
 

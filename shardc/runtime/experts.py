@@ -282,19 +282,23 @@ def _chain(module, forward_local, names, chain, rows: torch.Tensor, sizes: list[
         a = _own_activation(module, forward_local, names, h)
     have = "S(1)" if c1 == "col" or (c1 == "row" and need == "S(1)") else "R"
     if have == "S(1)" and need == "R":
-        pieces = [torch.empty_like(a) for _ in range(n)]
-        dist.all_gather(pieces, a.contiguous(), group=group)
-        a = torch.cat(pieces, dim=-1)
+        a = _gather_features(a, n, group)
     elif have == "R" and need == "S(1)":
         a = a.chunk(n, dim=-1)[r]
     out = per_expert(list(a.split(sizes)), w2)  # col: [.., h/tp]; row: partial; rep: whole
     if c2 == "row":
         dist.all_reduce(out, group=group)
     elif c2 == "col":
-        pieces = [torch.empty_like(out) for _ in range(n)]
-        dist.all_gather(pieces, out.contiguous(), group=group)
-        out = torch.cat(pieces, dim=-1)
+        out = _gather_features(out, n, group)
     return out
+
+
+def _gather_features(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """``x`` [rows, f / n] of every rank of ``group`` side by side: [rows, f] (one
+    ``all_gather_into_tensor``)."""
+    out = x.new_empty(n * x.shape[0], x.shape[1])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return torch.cat(out.chunk(n, dim=0), dim=-1)
 
 
 def _chain_tp_rows(chain, rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
