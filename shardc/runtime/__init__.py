@@ -21,6 +21,7 @@ from shardc.runtime.apply import (
 )
 from shardc.runtime.experts import ExpertParallel
 from shardc.runtime.pipeline import keep_stage, pipeline
+from shardc.runtime.router import RouterParallel
 from shardc.runtime.styles import (
     BatchSplitAttention,
     CoreRowsAttention,
@@ -29,12 +30,11 @@ from shardc.runtime.styles import (
     HeadParallelAttention,
     PrepareHiddenStates,
     ReplicateParallel,
-    RouterParallel,
     WeightColwiseParallel,
     WeightRowwiseParallel,
 )
 
-SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``--standalone``
+SOURCES = ("styles.py", "router.py", "experts.py", "apply.py")  # ``--standalone`` order
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention", "ExpertParallel",

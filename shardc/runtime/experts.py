@@ -275,15 +275,19 @@ def _chain(module, forward_local, names, chain, rows: torch.Tensor, sizes: list[
             out = h.new_empty(h.shape[1] // n, h.shape[0])  # features are dim 0 here
             dist.reduce_scatter_tensor(out, h.t().contiguous(), group=group)
             h = out.t()
+    have = "S(1)" if c1 == "col" or (c1 == "row" and need == "S(1)") else "R"
+    if have == "S(1)" and need == "R":  # the walk's repair of expert_ffn1's output
+        h = _gather_features(h, n, group)  # [g_0 | u_0 | g_1 | u_1 ...] when gated
+        if gated:
+            h = torch.cat([torch.cat(p, dim=-1) for p in zip(*(
+                c.chunk(2, dim=-1) for c in h.chunk(n, dim=-1)))], dim=-1)
+        have = "R"
     if gated:
         gate, up = h.chunk(2, dim=-1)
         a = module.act_fn(gate) * up
     else:
         a = _own_activation(module, forward_local, names, h)
-    have = "S(1)" if c1 == "col" or (c1 == "row" and need == "S(1)") else "R"
-    if have == "S(1)" and need == "R":
-        a = _gather_features(a, n, group)
-    elif have == "R" and need == "S(1)":
+    if have == "R" and need == "S(1)":
         a = a.chunk(n, dim=-1)[r]
     out = per_expert(list(a.split(sizes)), w2)  # col: [.., h/tp]; row: partial; rep: whole
     if c2 == "row":
