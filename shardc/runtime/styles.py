@@ -90,7 +90,7 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
-_WHOLE_ROWS: list = []  # [(mask, mesh, gathered)]: the last mask gathered (one per forward)
+_WHOLE_ROWS = []  # [(mask, mesh, gathered)]: the last mask gathered (one per forward)
 
 
 def whole_rows(x, device_mesh):
