@@ -4,7 +4,8 @@ plan falls back to it).
 
 Sample: for each family layout (HF Llama with GQA at tp > kv_heads, GPT-2's Conv1D and
 packed q|k|v, GPT-MoE's plain ``[E, in, out]`` experts, Mixtral, DeepSeek-V3's MLA) and
-degrees with and without sequence parallelism and with pipeline stages, every pair of
+degrees with and without sequence parallelism and, for the non-HF layouts, with pipeline
+stages, every pair of
 choices of two ops of one branch (attention: qkv x attn_core x out_proj in pairs; experts:
 expert_ffn1 x expert_ffn2; mlp; router against experts), the other ops Megatron's. Legal or
 not for the cost model, each such plan must be deployable. Emitting only (no process group):
@@ -40,7 +41,11 @@ MODELS = {
     "mixtral": str(ROOT / "examples" / "tiny_mixtral.py"),
     "deepseek-v3": str(ROOT / "examples" / "tiny_deepseek_v3.py"),
 }
-DEGREES = [{"tp": 4}, {"tp": 2, "dp": 2, "sp": 2}, {"tp": 2, "pp": 2}]
+SP = {"tp": 2, "dp": 2, "sp": 2}  # experts: dp -> ep
+CASES = [("llama gqa (8 heads / 2 kv)", {"tp": 4}),  # KV heads replicated
+         ("llama gqa (8 heads / 2 kv)", SP), ("gpt2", SP), ("gpt2", {"tp": 2, "pp": 2}),
+         ("gpt-moe", SP), ("gpt-moe", {"tp": 2, "pp": 2}), ("mixtral", {"tp": 4}),
+         ("mixtral", SP), ("deepseek-v3", {"tp": 4}), ("deepseek-v3", SP)]
 
 
 @lru_cache(maxsize=None)
@@ -73,8 +78,8 @@ def _plans(model: str, degrees: dict):
                                                    "h100", Workload(batch=8, context=64))
 
 
-@pytest.mark.parametrize("degrees", DEGREES, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model, degrees", CASES,
+                         ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for m, d in CASES])
 def test_every_choice_pair_emits_a_torch_only_file(model, degrees):
     seen = 0
     for label, plan in _plans(model, degrees):
