@@ -5,8 +5,8 @@ experts' two matmuls run on this rank's shards (``col`` / ``row`` over tp, or wh
 the partial sums are repaired as the walk says.
 
 Dispatch over ep: the routed (token, expert) pairs are sorted by expert, the per-expert
-counts exchanged (``all_to_all_single`` of ``E`` int64: latency only, not charged by the
-cost model), the rows sent with one uneven ``all_to_all_single`` (exactly the routed rows:
+counts exchanged (an eager ``all_to_all_single`` of ``E`` int64, read on the host at once:
+latency only, not charged by the cost model), the rows sent with one uneven ``all_to_all_single`` (exactly the routed rows:
 ``T x top_k x hidden``, the charged bytes) and returned with one more. The uneven split
 sizes are read on the host, so a decode step with ep > 1 is not captured as a CUDA graph.
 """
@@ -14,6 +14,7 @@ sizes are read on the host, so a decode step with ep > 1 is not captured as a CU
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
@@ -66,7 +67,8 @@ class ExpertsLocal:
         counts = torch.bincount(flat, minlength=self.num_experts)
         n_ep, e_l = self.ep.size, self.local_experts
         if self.ep:
-            got_counts = funcol.all_to_all_single(counts, None, None, self.ep.pg)
+            got_counts = torch.empty_like(counts)  # read on the host next: an eager exchange
+            dist.all_to_all_single(got_counts, counts, group=self.ep.pg)
             send = counts.view(n_ep, e_l).sum(1).tolist()
             recv_by_src = got_counts.view(n_ep, e_l)
             recv = recv_by_src.sum(1).tolist()
