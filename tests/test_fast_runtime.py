@@ -81,7 +81,7 @@ def _worker(rank, world, port, payloads, out_dir):
 
     from shardc.backends.verify import _build, _vocab
     from shardc.runtime.fast import FastModel
-    from shardc.runtime.generate import generate
+    from shardc.runtime.generate import fast_generate as generate
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

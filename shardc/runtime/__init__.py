@@ -19,7 +19,11 @@ from shardc.runtime.apply import (
     make_mesh,
     submesh,
 )
+from shardc.runtime.bench import bench_main
 from shardc.runtime.experts import ExpertParallel
+from shardc.runtime.fast import FastModel
+from shardc.runtime.generate import fast_generate
+from shardc.runtime.kv_cache import KVCache
 from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.styles import (
     BatchSplitAttention,
@@ -32,10 +36,13 @@ from shardc.runtime.styles import (
     WeightRowwiseParallel,
 )
 
-SOURCES = ("styles.py", "experts.py", "apply.py")  # inlined in this order by ``--standalone``
+# inlined in this order by ``--standalone`` (the fast runtime after the styles it runs on)
+SOURCES = ("styles.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py", "moe_local.py",
+           "fast.py", "generate.py", "bench.py")
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
-__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FullWidthNormParallel",
+__all__ = ["BatchSplitAttention", "ColwiseParallel", "ExpertParallel", "FastModel",
+           "FullWidthNormParallel", "KVCache", "bench_main", "fast_generate",
            "HeadParallelAttention", "PIPELINE_SOURCES", "PrepareHiddenStates",
            "PrepareModuleInput", "Replicate", "ReplicateParallel", "RouterParallel",
            "RowwiseParallel", "SOURCES", "Shard", "WeightColwiseParallel",

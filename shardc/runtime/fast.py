@@ -38,12 +38,12 @@ from shardc.runtime.local_ops import Group, attend, linear, repair, rms_norm, ro
 from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
 
 
-def _text_config(model):
+def _lm_config(model):
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def _rows(n: int, placement: str, tp: Group) -> slice:
+def _held_rows(n: int, placement: str, tp: Group) -> slice:
     """The rows (of ``n`` this rank serves) an activation at ``placement`` holds."""
     if placement != "S(0)" or not tp:
         return slice(0, n)
@@ -95,7 +95,7 @@ class Attention:
 
     def alloc(self, cache: KVCache, rows: int) -> None:
         n = self.tp.size if self.split else 1
-        cache.add_heads(self.i, _rows(rows, self.core_need, self.tp), self.hkv // n, self.d,
+        cache.add_heads(self.i, _held_rows(rows, self.core_need, self.tp), self.hkv // n, self.d,
                         window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
@@ -157,7 +157,7 @@ class LatentAttention:
         self.window = _window(cfg, attn, i)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
-        cache.add_latent(self.i, _rows(rows, self.core_need, self.tp), self.lora, self.rope_d,
+        cache.add_latent(self.i, _held_rows(rows, self.core_need, self.tp), self.lora, self.rope_d,
                          window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
@@ -168,7 +168,7 @@ class LatentAttention:
         ckv = a.kv_a_proj_with_mqa(x)
         lat, k_rot = ckv.split([self.lora, self.rope_d], -1)
         lat = a.kv_a_layernorm(lat)
-        rows = _rows(x.shape[0], self.core_need, tp)  # R -> S(0): a local slice
+        rows = _held_rows(x.shape[0], self.core_need, tp)  # R -> S(0): a local slice
         q, lat, k_rot = q[rows], lat[rows], k_rot[rows]
         r, s = q.shape[0], q.shape[1]
         q = q.view(r, s, self.heads, self.nope + self.rope_d).transpose(1, 2)
@@ -243,7 +243,7 @@ class FastModel:
     def __init__(self, model, world_mesh, walks: dict, layer_kinds: dict):
         if hasattr(model, "stage") and hasattr(model.stage, "model"):
             model = model.stage.model
-        self.cfg = cfg = _text_config(model)
+        self.cfg = cfg = _lm_config(model)
         names = tuple(world_mesh.mesh_dim_names or ())
         self.tp = Group(world_mesh["tp"] if "tp" in names else None)
         self.ep = Group(world_mesh["ep"] if "ep" in names else None)

@@ -114,7 +114,7 @@ def _share_tokens(fast: FastModel, tok: torch.Tensor | None, rows: int, device):
     return buf
 
 
-def generate(fast: FastModel, input_ids: torch.Tensor, max_new_tokens: int, *,
+def fast_generate(fast: FastModel, input_ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
              top_k: int | None = None, seed: int = 0, context: int | None = None,
              cuda_graph: bool | None = None, graph_block: int = 256) -> torch.Tensor:
