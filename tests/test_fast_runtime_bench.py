@@ -57,3 +57,4 @@ def test_standalone_bench_prints_one_json_line(standalone):
     assert rec["predicted_tpot_ms"] is None  # batch 4 / context 32 is not the plan's point
     pre = _bench(path, config, "--phase", "prefill", "--prompt", "8", "--steps", "2")
     assert pre["phase"] == "prefill" and pre["prompt"] == 8 and pre["step_ms"] > 0
+    assert "predicted_ttft_ms" in pre and "predicted_tpot_ms" not in pre

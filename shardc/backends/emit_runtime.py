@@ -46,16 +46,20 @@ def runtime_data(plan) -> str:
     context) of ``plan`` (plain literals)."""
     choices = {str(o["name"]): str(o["choice"]) for o in plan.ops}
     walks = plan_walks(choices, plan.strategy().degrees)
-    tpot = (plan.predicted or {}).get("tpot_ms")
-    tpot = round(float(tpot), 4) if isinstance(tpot, (int, float)) and math.isfinite(tpot) \
-        else None
+    pred, wl = plan.predicted or {}, plan.workload or {}
+    tpot, ttft = (_finite(pred.get(k)) for k in ("tpot_ms", "ttft_ms"))
     st = plan.strategy()
-    at = {"batch": int(st.batch) * int(st.degrees.dp),
-          "context": int((plan.workload or {}).get("context") or 0)}
-    # tpot: a finite float (or None) checked above, so its repr is a literal
+    at = {"batch": int(st.batch) * int(st.degrees.dp), "context": int(wl.get("context") or 0),
+          "prompt": int(wl.get("prompt") or 0)}
+    # tpot / ttft: finite floats (or None) checked by _finite, so their repr is a literal
     return (f"WALKS = {_literal(walks)}\n"
-            f"PREDICTED = {{'tpot_ms': {tpot!r}, 'batch': {at['batch']}, "
-            f"'context': {at['context']}}}  # the plan's decode step at its global batch")
+            f"PREDICTED = {{'tpot_ms': {tpot!r}, 'ttft_ms': {ttft!r}, 'batch': {at['batch']}, "
+            f"'context': {at['context']}, 'prompt': {at['prompt']}}}  # the plan's step, at its "
+            "global batch")
+
+
+def _finite(x) -> float | None:
+    return round(float(x), 4) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def runtime_tail() -> str:

@@ -11,8 +11,8 @@ shards (``to_empty``, random weights: a rank never holds the whole model; replic
 weights are whole as the plan says), builds the fast runtime's :class:`FastModel` and KV
 cache for its rows, marks the cache filled to ``C - S`` steps and times ``S`` decode steps
 (or ``S`` prefills of ``[B, P]``). Rank 0 prints one JSON line: ``step_ms`` (median),
-``step_ms_min``, ``predicted_tpot_ms`` (the plan's, when ``--batch`` / ``--context`` are
-the plan's global batch and context; else null), ``tok_s_per_gpu``.
+``step_ms_min``, ``predicted_tpot_ms`` (prefill: ``predicted_ttft_ms``; the plan's when
+``--batch`` / ``--context`` (``--prompt``) are the plan's, else null), ``tok_s_per_gpu``.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def run_bench(args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
             tokens = args.batch * args.prompt
     med = statistics.median(times)
     rec = {"phase": args.phase, "step_ms": round(med, 4), "step_ms_min": round(min(times), 4),
-           "predicted_tpot_ms": _predicted_tpot(args, predicted),
+           **_predicted(args, predicted),
            "tok_s_per_gpu": round(tokens / (med / 1e3) / world, 2), "batch": args.batch,
            "context": args.context, "prompt": args.prompt if args.phase == "prefill" else None,
            "steps": args.steps, "world": world, "device": torch.cuda.get_device_name(device)
@@ -177,12 +177,16 @@ def run_bench(args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
     return rec if dist.get_rank() == 0 else None
 
 
-def _predicted_tpot(args, predicted: dict | None):
-    """The plan's TPOT (ms) when this run is the plan's decode step (its global batch and
-    context), else None: the plan predicts no other point."""
+def _predicted(args, predicted: dict | None) -> dict:
+    """``predicted_tpot_ms`` (decode) or ``predicted_ttft_ms`` (prefill): the plan's, when
+    this run is the plan's point (its global batch and context / prompt), else None: the
+    plan predicts no other point."""
     p = predicted or {}
-    same = args.batch == p.get("batch") and args.context == p.get("context")
-    return p.get("tpot_ms") if args.phase == "decode" and same else None
+    if args.phase == "decode":
+        same = args.batch == p.get("batch") and args.context == p.get("context")
+        return {"predicted_tpot_ms": p.get("tpot_ms") if same else None}
+    same = args.batch == p.get("batch") and args.prompt == p.get("prompt")
+    return {"predicted_ttft_ms": p.get("ttft_ms") if same else None}
 
 
 def _spawned(rank, world, port, argv, entry):

@@ -136,10 +136,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
            scale: float) -> torch.Tensor:
     """SDPA of ``q [rows, hq, s, d]`` over ``k`` / ``v [rows, hkv, n, d]`` (grouped heads)
-    under boolean ``mask [rows, 1, s, n]``; returns ``[rows, s, hq * dv]``."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    under boolean ``mask [rows, 1, s, n]``; returns ``[rows, s, hq * dv]``. Grouped heads
+    are read in place (``enable_gqa``: no copy of the cache per query head)."""
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                       scale=scale)
+                                       scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return o.transpose(1, 2).flatten(2)
