@@ -14,7 +14,9 @@ per-op times of ``predicted.breakdown``); what the runtime adds is host work per
 * with pp > 1 the runtime runs the batch as one micro-batch through the stages in turn, so
   its step is the sum of the stages' times at the whole batch, not the engine's pipelined
   tick: ``sum(stage_ms) x micro_batches`` (each stage's time per micro-batch times the
-  micro-batches the engine cut the batch into), plus the sends.
+  micro-batches the engine cut the batch into), plus the sends -- an upper bound, since a
+  stage reads its weights once for the whole batch where the engine reads them once per
+  micro-batch.
 
 The host constants are assumptions (typical H100 + CPython figures; not measured by this
 repository on this machine): ``source`` says so, and ``benchmarks/gpu/`` measures them.
@@ -28,6 +30,7 @@ HOST_SYNC_MS = 0.02  # one device->host read (MoE split sizes) per MoE layer (ms
 OPS_PER_LAYER = {"dense": 70, "moe": 60}  # eager ops per decoder layer (+ 5 per local expert)
 SOURCE = ("engine kernels + runtime host model (assumed: graph replay 0.03 ms/step, "
           "eager 0.008 ms/op; unmeasured here)")
+PP_NOTE = "; pp: stages in turn at the whole batch (upper bound)"
 
 
 def runtime_prediction(predicted: dict, degrees: dict, layers: int, moe_layers: int,
@@ -56,4 +59,4 @@ def runtime_prediction(predicted: dict, degrees: dict, layers: int, moe_layers: 
             + moe_share * (OPS_PER_LAYER["moe"] + 5 * local_experts)
         overhead = pp * (ops * EAGER_OP_MS + moe_share * HOST_SYNC_MS)
     return {"step_ms": round(kernels + overhead, 4), "overhead_ms": round(overhead, 4),
-            "cuda_graph": graphable, "source": SOURCE}
+            "cuda_graph": graphable, "source": SOURCE + (PP_NOTE if pp > 1 else "")}
