@@ -322,7 +322,8 @@ class FastModel:
         x = _norm(self.norm, h)
         y = linear(repair(x, self.residual, need, self.tp), self.head, self.head_bias, choice,
                    self.tp)
-        return repair(y, prod, "R", self.tp)
+        y = repair(y, prod, "R", self.tp)
+        return y.wait() if hasattr(y, "wait") else y  # the step's output: collective done
 
     def forward(self, ids: torch.Tensor | None, cache: KVCache, steps: torch.Tensor,
                 upto: int, prefill: bool) -> torch.Tensor | None:
