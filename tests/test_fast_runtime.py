@@ -2,7 +2,8 @@
 ranks: weights placed by the plan's torch-style ``parallelize.py``, then ``generate`` runs
 on the local shards with explicit functional collectives and the runtime's own KV cache.
 
-For tiny Llama (tp=4; tp=2 x dp=2 with batch-split attention), tiny Mixtral (ep=2 x tp=2),
+The emitted file's own ``generate`` runs (its ``WALKS`` data = the contract's walk). For tiny
+Llama (tp=4; tp=2 x dp=2 with batch-split attention), tiny Mixtral (ep=2 x tp=2),
 tiny DeepSeek-V3 MLA (tp=4) and tiny Llama pp=2 x tp=2, the greedy tokens of 32 new tokens
 from left-padded prompts equal the unsharded HF model's, computed by its own forward with
 full recompute each step (a 2-D padding mask and the positions HF's generate would use):
@@ -102,14 +103,16 @@ def _worker(rank, world, port, payloads, out_dir):
                 mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
                                         mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
                 model = ns["parallelize"](model, world_mesh=mesh)
-                fast = FastModel(model, mesh, p["walks"], ns["LAYER_KINDS"])
+                assert ns["WALKS"] == p["walks"]  # the file's data is the contract's walk
                 t2 = time.perf_counter()
-                got = generate(fast, ids, NEW, attention_mask=mask)
+                got = ns["generate"](model, ids, NEW, attention_mask=mask)  # the file's own
                 t3 = time.perf_counter()
+                assert isinstance(model._shardc_fast, FastModel)
+                fast = FastModel(model, mesh, p["walks"], ns["LAYER_KINDS"])
                 s1 = generate(fast, ids, 8, attention_mask=mask, temperature=0.8, top_k=20,
                               seed=5)
-                s2 = generate(fast, ids, 8, attention_mask=mask, temperature=0.8, top_k=20,
-                              seed=5)
+                s2 = ns["generate"](model, ids, 8, attention_mask=mask, temperature=0.8,
+                                    top_k=20, seed=5)
                 results.append({"equal": bool(torch.equal(got, want)),
                                 "got": got[:, PROMPT:].tolist(),
                                 "want": want[:, PROMPT:].tolist(),
@@ -148,3 +151,4 @@ def test_greedy_generate_equals_unsharded(launched, name):
     # sampling: deterministic for a seed, the same on every rank, and not the greedy run
     assert all(res["sampled_repeat"] for res in per_rank)
     assert all(res["sampled"] == per_rank[0]["sampled"] for res in per_rank)
+    assert [row[:8] for row in per_rank[0]["got"]] != per_rank[0]["sampled"]

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -226,8 +227,11 @@ def bench_main(argv, parallelize, walks, layer_kinds, mesh_shape, dim_names,
                               WORLD_SIZE="1", LOCAL_RANK="0")
             entry(argv)
             return
-        mp.start_processes(_spawned, args=(world, port, argv, entry), nprocs=world,
-                           start_method="fork")
+        try:
+            mp.start_processes(_spawned, args=(world, port, argv, entry), nprocs=world,
+                               start_method="fork")
+        except mp.ProcessExitedException as e:  # a rank said why (one line) and exited
+            raise SystemExit(e.exit_code or 1) from None
         return
     _run(args, parallelize, walks, layer_kinds, mesh_shape, dim_names, predicted)
 
@@ -242,5 +246,9 @@ def _run(args, parallelize, walks, layer_kinds, mesh_shape, dim_names, predicted
                         predicted)
         if rec is not None:
             print(json.dumps(rec), flush=True)
+    except (NotImplementedError, ValueError) as e:  # a plan / input the runtime refuses
+        if dist.get_rank() == 0:
+            print(f"parallelize.py --bench: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         dist.destroy_process_group()
