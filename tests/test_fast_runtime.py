@@ -107,7 +107,7 @@ def _worker(rank, world, port, payloads, out_dir):
                 t2 = time.perf_counter()
                 got = ns["generate"](model, ids, NEW, attention_mask=mask)  # the file's own
                 t3 = time.perf_counter()
-                assert isinstance(model._shardc_fast, FastModel)
+                assert type(model._shardc_fast).__name__ == "FastModel"  # inlined class
                 fast = FastModel(model, mesh, p["walks"], ns["LAYER_KINDS"])
                 s1 = generate(fast, ids, 8, attention_mask=mask, temperature=0.8, top_k=20,
                               seed=5)

@@ -246,9 +246,10 @@ def _run(args, parallelize, walks, layer_kinds, mesh_shape, dim_names, predicted
                         predicted)
         if rec is not None:
             print(json.dumps(rec), flush=True)
-    except (NotImplementedError, ValueError) as e:  # a plan / input the runtime refuses
-        if dist.get_rank() == 0:
+    except (NotImplementedError, ValueError) as e:  # a plan / input the runtime refuses:
+        if dist.get_rank() == 0:  # the same on every rank, so rank 0 says it once
             print(f"parallelize.py --bench: {e}", file=sys.stderr, flush=True)
+        dist.barrier()  # and the others wait for that line before exiting
         raise SystemExit(2) from None
     finally:
         dist.destroy_process_group()
