@@ -34,7 +34,15 @@ import torch.nn.functional as F
 
 from shardc.runtime.apply import batch_mesh, decoder_layers
 from shardc.runtime.kv_cache import KVCache, positions, visible
-from shardc.runtime.local_ops import Group, attend, linear, repair, rms_norm, rope
+from shardc.runtime.local_ops import (
+    Group,
+    attend,
+    linear,
+    linear_parts,
+    repair,
+    rms_norm,
+    rope,
+)
 from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
 
 
@@ -76,9 +84,8 @@ class Attention:
             raise NotImplementedError(f"a heads split at tp {tp.size} > {self.hkv} KV heads "
                                       "(KV heads replicated)")
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = torch.cat([_local(p.weight) for p in projs])
-        biases = [p.bias for p in projs]
-        self.bqkv = None if biases[0] is None else torch.cat([_local(b) for b in biases])
+        self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
+        self.bqkv = [None if p.bias is None else _local(p.bias) for p in projs]
         self.parts = (self.hq * self.d, self.hkv * self.d, self.hkv * self.d)
         self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
         self.bo = None if self.bo is None else _local(self.bo)
@@ -101,7 +108,8 @@ class Attention:
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
         tp = self.tp
         steps_w = self.walk["steps"]
-        y = linear(repair(x, residual, steps_w[0][2], tp), self.wqkv, self.bqkv, self.c_qkv, tp)
+        y = linear_parts(repair(x, residual, steps_w[0][2], tp), self.wqkv, self.bqkv,
+                         self.c_qkv, tp)
         y = repair(y, steps_w[0][3], self.core_need, tp, self.parts)
         n = tp.size if self.split else 1
         hq, hkv, d = self.hq // n, self.hkv // n, self.d

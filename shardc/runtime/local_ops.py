@@ -109,6 +109,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, choice: str
     return F.linear(x, w, b)
 
 
+def linear_parts(x: torch.Tensor, ws, bs, choice: str, g: Group) -> torch.Tensor:
+    """Packed output ``[x @ w0.T | x @ w1.T | ...]`` of a fused op held as separate weights
+    (q / k / v, gate / up): one matmul per part on the module's own shard -- no fused copy
+    of the weights -- then the outputs side by side (activation-sized)."""
+    return torch.cat([linear(x, w, b, choice, g) for w, b in zip(ws, bs)], -1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF's Llama-family modules compute it (fp32 statistics)."""
     dtype = x.dtype

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from shardc.runtime.local_ops import Group, linear, repair
+from shardc.runtime.local_ops import Group, linear, linear_parts, repair
 
 
 def _local(t):
@@ -93,7 +93,7 @@ class DenseMLP:
 
     def __init__(self, module, walk: dict, tp: Group):
         self.steps, self.end, self.tp = walk["steps"], walk["end"], tp
-        self.w1 = torch.cat([_local(module.gate_proj.weight), _local(module.up_proj.weight)])
+        self.w1 = [_local(module.gate_proj.weight), _local(module.up_proj.weight)]  # no copy
         self.w2 = _local(module.down_proj.weight)
         self.inter = module.down_proj.in_features if hasattr(module.down_proj, "in_features") \
             else self.w2.shape[1]
@@ -102,7 +102,8 @@ class DenseMLP:
     def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
         (_, c1, need1, prod1), (_, c2, need2, prod2) = self.steps
         parts = (self.inter, self.inter)
-        y = linear(repair(x, residual, need1, self.tp), self.w1, None, c1, self.tp)
+        y = linear_parts(repair(x, residual, need1, self.tp), self.w1, (None, None), c1,
+                         self.tp)
         y = repair(y, prod1, need2, self.tp, parts)
         g, u = y.chunk(2, -1)
         y = linear(self.act(g) * u, self.w2, None, c2, self.tp)
