@@ -235,8 +235,24 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
                      for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
         params=param_plan(g, strategy, kind_of_layer),  # KV heads: from the IR
-        nodes=nodes, predicted=dict(predicted or {}), baseline=dict(baseline or {}),
-        search=dict(search or {}), serving=dict(serving or {}))
+        nodes=nodes, predicted=_with_runtime(predicted, g, deg, workload.phase),
+        baseline=dict(baseline or {}), search=dict(search or {}), serving=dict(serving or {}))
+
+
+def _with_runtime(predicted: dict | None, g: Graph, deg, phase: str) -> dict:
+    """``predicted`` plus ``runtime`` (:func:`shardc.cost.runtime_step.runtime_prediction`:
+    the emitted runtime's step beside the engine's) when the engine predicts a step."""
+    from shardc.cost.runtime_step import runtime_prediction
+
+    out = dict(predicted or {})
+    if out.get("breakdown") and "runtime" not in out:
+        moe = sum(k.count for k in g.layer_kinds if k.op("expert_ffn1") is not None)
+        experts = int(g.config.get("num_experts", 0) or 0)
+        rt = runtime_prediction(out, deg.as_dict(), int(g.num_layers), moe,
+                                experts // max(int(deg.ep), 1), phase)
+        if rt is not None:
+            out["runtime"] = rt
+    return out
 
 
 # ---------------------------------------------------------------------- loading

@@ -35,7 +35,7 @@ from test_backend_gloo import (
     _with,
     ruff_clean,
 )
-from test_runtime_styles import _imported_modules, build, config_file
+from test_runtime_styles import TORCH_ONLY, _imported_modules, build, config_file
 
 from shardc.backends.verify import Case, _load_code, run_suites
 
@@ -104,7 +104,7 @@ def test_pipelined_logits_match_unsharded(gloo_results, name):
 def test_pp_file_imports_only_torch_and_reads_as_stages():
     plan = build(LLAMA, {"pp": 2, "tp": 2}, DENSE)
     src = plan.code(standalone=True)
-    assert {m.split(".")[0] for m in _imported_modules(src)} <= {"torch", "__future__"}
+    assert {m.split(".")[0] for m in _imported_modules(src)} <= TORCH_ONLY
     assert "STAGE_LAYERS = [range(0, 1), range(1, 2)]" in src
     assert "keep_stage(model, STAGE_LAYERS[stage], first=stage == 0, last=stage == 1)" in src
     assert "for i in [i for i in LAYER_KINDS['dense_block'] if i in STAGE_LAYERS[stage]]:" in src

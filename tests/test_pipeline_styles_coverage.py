@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from test_backend_gloo import TOL, ruff_clean
 from test_pipeline_styles import _world
-from test_runtime_styles import _imported_modules
+from test_runtime_styles import TORCH_ONLY, _imported_modules
 from test_styles_coverage import GPT2, GPT_MOE, MIXTRAL, OLMOE, PHI, build
 
 from shardc.backends.verify import Case, run_suites
@@ -63,7 +63,7 @@ def test_files_are_standalone_pipelines(emitted):
     ruff_clean(list(emitted.values()))
     for name, path in emitted.items():
         src = open(path).read()
-        assert {m.split(".")[0] for m in _imported_modules(src)} <= {"torch", "__future__"}, name
+        assert {m.split(".")[0] for m in _imported_modules(src)} <= TORCH_ONLY, name
         assert "model = pipeline(model, world_mesh, microbatches=2" in src, name
         assert "ModelSharder" not in src, name
 

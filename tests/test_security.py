@@ -40,7 +40,12 @@ PAYLOADS = [
     "x\\N{oops} \x00 \u2028 \u202e caf\u00e9 {braces} %s",  # bad escape, NUL, bidi, format
 ]
 # the module-level statements every parallelize.py has, in order
-EXPECTED_TOP = ["Expr", "Import", "ImportFrom", "ImportFrom"] + ["Assign"] * 6 + ["FunctionDef"]
+# docstring, imports, the data (six plan assignments + WALKS + PREDICTED), parallelize and
+# generate, and the ``if __name__ == "__main__":`` --bench guard
+EXPECTED_TOP = ["Expr", "Import", "ImportFrom", "ImportFrom"] + ["Assign"] * 8 \
+    + ["FunctionDef", "FunctionDef", "If"]
+MAIN_GUARD = "if __name__ == '__main__':\n    bench_main(None, parallelize, WALKS, LAYER_KINDS, " \
+    "MESH_SHAPE, MESH_DIM_NAMES, PREDICTED)"
 
 
 def _import_file(path: Path, cwd: Path, monkeypatch):
@@ -57,7 +62,8 @@ def assert_inert(src: str, tmp_path: Path, monkeypatch):
     import beyond the imports, and importing it creates no PWNED file."""
     tree = ast.parse(src)  # also fails on NUL bytes and bad escapes
     assert [type(s).__name__ for s in tree.body] == EXPECTED_TOP, ast.dump(tree)[:2000]
-    for stmt in tree.body[4:10]:  # the data assignments: literals (and list(range(...)))
+    assert ast.unparse(tree.body[-1]) == MAIN_GUARD  # the one statement run as a script
+    for stmt in tree.body[4:12]:  # the data assignments: literals (and list(range(...)))
         for node in ast.walk(stmt.value):
             if isinstance(node, ast.Call):
                 assert ast.unparse(node.func) in ("list", "range"), ast.unparse(node)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
 
 from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
+from shardc.backends.emit_runtime import TAIL_NAMES, runtime_data, runtime_tail
 from shardc.backends.pipeline_styles import stage_emit
 from shardc.backends.torch_styles import style_plan
 
@@ -53,6 +55,19 @@ def _name_key(name: str):
 
 
 def _import_block(straight: set[str], froms: dict[str, set[str]]) -> str:
+    """isort's layout: the standard library's imports (the inlined ``--bench`` entry's),
+    then a blank line and torch's."""
+    def std(m: str) -> bool:
+        return m.split(".")[0] in sys.stdlib_module_names
+
+    stdlib = _import_lines({m for m in straight if std(m)},
+                           {m: ns for m, ns in froms.items() if std(m)})
+    rest = _import_lines({m for m in straight if not std(m)},
+                         {m: ns for m, ns in froms.items() if not std(m)})
+    return "\n\n".join(b for b in (stdlib, rest) if b)
+
+
+def _import_lines(straight: set[str], froms: dict[str, set[str]]) -> str:
     lines = [f"import {m}" for m in sorted(straight, key=lambda m: m.split(" as ")[0])]
     for m, ns in sorted(froms.items()):
         names = sorted(ns, key=_name_key)
@@ -123,7 +138,8 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             "    if world_mesh is None:",
             '        device = "cuda" if torch.cuda.is_available() else "cpu"',
             "        world_mesh = init_device_mesh(device, MESH_SHAPE, "
-            "mesh_dim_names=MESH_DIM_NAMES)"]
+            "mesh_dim_names=MESH_DIM_NAMES)",
+            "    model.shardc_world_mesh = world_mesh  # generate() runs on the same mesh"]
     if pipe:  # this rank keeps its pipeline stage only
         body[1] = ('    """Keep this rank\'s pipeline stage of ``model``, place its parameters '
                    'per the plan;\n    returns the pipeline to call (logits on the last stage, '
@@ -181,7 +197,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
                       f"BATCH = {_literal(int(st.batch))}",
                       f"LAYER_KINDS = {_literal(_ranges(kinds))}",
                       f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"]
-                     + ([pipe.data()] if pipe else []))
+                     + ([pipe.data()] if pipe else []) + [runtime_data(plan)])
     used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if re.search(rf"\b{n}\(", code_text)}
     straight: set[str] = {"torch"}
     froms: dict[str, set[str]] = {"torch.distributed.device_mesh": {"init_device_mesh"}}
@@ -191,7 +207,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             froms.setdefault(_TORCH_NAMES[n], set()).add(n)
         runtime = "\n\n" + _runtime_sources(straight, froms, pipeline=pipe is not None)
     else:  # torch's styles and placements too, re-exported by shardc.runtime: one import
-        froms["shardc.runtime"] = used
+        froms["shardc.runtime"] = used | set(TAIL_NAMES)
     third = {m: ns for m, ns in froms.items() if not m.startswith("shardc")}
     imports = _import_block(straight, third)
     if "shardc.runtime" in froms:
@@ -199,4 +215,5 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
     doc = _DOC.format(**doc_fields(plan), standalone_note=_STANDALONE_NOTE if inline else "")
     future = "\nfrom __future__ import annotations\n" if inline else ""
     gap = "\n\n\n" if inline else "\n\n"  # isort: one blank line after imports, two after defs
-    return (f"{doc}{future}\n{imports}{runtime}{gap}{data}\n\n\n{code_text}\n")
+    return (f"{doc}{future}\n{imports}{runtime}{gap}{data}\n\n\n{code_text}\n"
+            f"{runtime_tail()}")

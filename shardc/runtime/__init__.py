@@ -19,7 +19,11 @@ from shardc.runtime.apply import (
     make_mesh,
     submesh,
 )
+from shardc.runtime.bench import bench_main
 from shardc.runtime.experts import ExpertParallel
+from shardc.runtime.fast import FastModel
+from shardc.runtime.generate import fast_generate
+from shardc.runtime.kv_cache import KVCache
 from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.router import RouterParallel
 from shardc.runtime.styles import (
@@ -34,13 +38,15 @@ from shardc.runtime.styles import (
     WeightRowwiseParallel,
 )
 
-SOURCES = ("styles.py", "router.py", "experts.py", "apply.py")  # ``--standalone`` order
+# inlined in this order by ``--standalone`` (the fast runtime after the styles it runs on)
+SOURCES = ("styles.py", "router.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py",
+           "moe_local.py", "fast.py", "generate.py", "bench.py")
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention", "ExpertParallel",
-           "FullWidthNormParallel", "GroupedKVAttention", "HeadParallelAttention",
-           "PIPELINE_SOURCES", "PrepareHiddenStates", "PrepareModuleInput",
+           "FastModel", "FullWidthNormParallel", "GroupedKVAttention", "HeadParallelAttention",
+           "KVCache", "PIPELINE_SOURCES", "PrepareHiddenStates", "PrepareModuleInput",
            "Replicate", "ReplicateParallel", "RouterParallel", "RowwiseParallel",
            "SOURCES", "Shard", "WeightColwiseParallel", "WeightRowwiseParallel",
-           "apply_plan", "decoder_layers", "install_batch_split", "keep_stage",
-           "make_mesh", "parallelize_module", "pipeline", "submesh"]
+           "apply_plan", "bench_main", "decoder_layers", "fast_generate", "install_batch_split",
+           "keep_stage", "make_mesh", "parallelize_module", "pipeline", "submesh"]

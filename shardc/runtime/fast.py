@@ -1,0 +1,353 @@
+"""The fast runtime's model (torch only): an HF decoder whose weights ``parallelize`` has
+placed (DTensor shards, or plain tensors for replicated ops) run as a small per-family
+forward over the *local* shards, with the plan's repairs as explicit functional
+collectives and a :class:`shardc.runtime.kv_cache.KVCache` it owns.
+
+Families: Llama-style attention (GQA, q/k/v biases, Qwen3's per-head q/k norms, sliding
+windows), DeepSeek-V2/V3 MLA (absorbed: attention runs in the latent space, the cache holds
+the latent), gated MLPs, sparse MoE blocks with HF stacked experts (Mixtral, Qwen3-MoE,
+DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`).
+
+What runs is the plan's walk, as data (``walks``, written into ``parallelize.py`` from the
+contract's :func:`shardc.ir.contract.walk`)::
+
+    {"residual": "R",                                      # or "S(0)": sequence parallel
+     "embedding": {"steps": [["embedding", "vocab", "R", "P"]], "end": "R"},
+     "lm_head": {"steps": [["lm_head", "col", "R", "S(1)"]], "end": "R"},
+     "kinds": {"dense_block": {"attention": {"steps": [[op, choice, need, produced], ...],
+                                             "end": "R"}, "mlp": {...}}, ...}}
+
+Before each op the activation is moved from the placement it holds to the one the op needs
+(:func:`shardc.runtime.local_ops.repair`: the collective the walk names), the op runs on
+the local shard, and after the branch's last op the output is moved to the branch end:
+the collectives of a decode step are the cost model's rows, nothing else (plus the ep
+count exchange). Rows: over dp x ep each rank serves its slice of the batch
+(:func:`shardc.runtime.apply.batch_mesh`); an ``S(0)`` attention core (batch-split) runs
+and caches this tp rank's share of those rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardc.runtime.apply import batch_mesh, decoder_layers
+from shardc.runtime.kv_cache import KVCache, positions, visible
+from shardc.runtime.local_ops import (
+    Group,
+    attend,
+    linear,
+    linear_parts,
+    repair,
+    rms_norm,
+    rope,
+)
+from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
+
+
+def _lm_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _held_rows(n: int, placement: str, tp: Group) -> slice:
+    """The rows (of ``n`` this rank serves) an activation at ``placement`` holds."""
+    if placement != "S(0)" or not tp:
+        return slice(0, n)
+    if n % tp.size:
+        raise ValueError(f"{n} rows do not split over tp = {tp.size}")
+    k = n // tp.size
+    return slice(tp.rank * k, (tp.rank + 1) * k)
+
+
+def _window(cfg, attn, i: int):
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and types[i] != "sliding_attention":
+        return None
+    w = getattr(attn, "sliding_window", None) or getattr(cfg, "sliding_window", None)
+    return int(w) if w else None
+
+
+class Attention:
+    """Llama-style grouped-query attention of one layer on local shards."""
+
+    def __init__(self, attn, walk: dict, tp: Group, cfg, i: int):
+        (_, self.c_qkv, _, _), (_, core, self.core_need, _), (_, self.c_out, _, _) = \
+            walk["steps"]
+        if core not in ("heads", "batch", "rep"):
+            raise NotImplementedError(f"attention core {core}")
+        self.walk, self.tp, self.i = walk, tp, i
+        self.d = int(attn.head_dim)
+        self.hq, self.hkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        if core == "heads" and self.hkv % tp.size:
+            raise NotImplementedError(f"a heads split at tp {tp.size} > {self.hkv} KV heads "
+                                      "(KV heads replicated)")
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
+        self.bqkv = [None if p.bias is None else _local(p.bias) for p in projs]
+        self.parts = (self.hq * self.d, self.hkv * self.d, self.hkv * self.d)
+        self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
+        self.bo = None if self.bo is None else _local(self.bo)
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None and norm.weight.shape[0] != self.d:
+                raise NotImplementedError("q/k norms over the whole projection")
+        self.scale = float(attn.scaling)
+        self.window = _window(cfg, attn, i)
+        if getattr(cfg, "attn_logit_softcapping", None):
+            raise NotImplementedError("attention logit softcapping")
+        self.split = core == "heads" and tp.size > 1
+
+    def alloc(self, cache: KVCache, rows: int) -> None:
+        n = self.tp.size if self.split else 1
+        cache.add_heads(self.i, _held_rows(rows, self.core_need, self.tp), self.hkv // n, self.d,
+                        window=self.window)
+
+    def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
+        tp = self.tp
+        steps_w = self.walk["steps"]
+        y = linear_parts(repair(x, residual, steps_w[0][2], tp), self.wqkv, self.bqkv,
+                         self.c_qkv, tp)
+        y = repair(y, steps_w[0][3], self.core_need, tp, self.parts)
+        n = tp.size if self.split else 1
+        hq, hkv, d = self.hq // n, self.hkv // n, self.d
+        r, s = y.shape[0], y.shape[1]
+        q, k, v = y.split([hq * d, hkv * d, hkv * d], -1)
+        q = q.view(r, s, hq, d).transpose(1, 2)
+        k = k.view(r, s, hkv, d).transpose(1, 2)
+        v = v.view(r, s, hkv, d).transpose(1, 2)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon)
+            k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon)
+        layer = cache.layers[self.i]
+        start = cache.start[layer.rows]
+        cos, sin = rope_tables(positions(steps, start))
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        layer.write(steps, k, v)
+        if prefill:  # from an empty cache: the fresh keys are all there is
+            keys, vals, kst = k, v, steps
+        else:
+            keys, vals, kst = layer.view(upto)
+        o = attend(q, keys, vals, visible(kst, steps, start, self.window), self.scale)
+        (_, _, need, prod) = steps_w[2]
+        o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, self.c_out, tp)
+        return repair(o, prod, self.walk["end"], tp)
+
+
+class LatentAttention:
+    """DeepSeek MLA of one layer on local shards, absorbed: ``q_nope`` is mapped into the
+    latent space through ``kv_b_proj``'s key half, attention reads the cached latent and
+    shared rope key, and the latent output goes through the value half. ``qkv`` ``col``
+    splits ``q_b_proj`` / ``kv_b_proj`` by heads (the latent stays whole), ``rep`` keeps
+    them whole (a ``batch`` core then runs this tp rank's rows)."""
+
+    def __init__(self, attn, walk: dict, tp: Group, cfg, i: int):
+        (_, self.c_qkv, _, _), (_, core, self.core_need, _), (_, self.c_out, _, _) = \
+            walk["steps"]
+        pairs = {("col", "heads"), ("rep", "batch"), ("rep", "rep")}
+        if (self.c_qkv, core) not in pairs:
+            raise NotImplementedError(f"MLA qkv {self.c_qkv} with attention core {core}")
+        self.walk, self.tp, self.i, self.attn = walk, tp, i, attn
+        self.nope, self.rope_d = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
+        self.vd, self.lora = int(cfg.v_head_dim), int(cfg.kv_lora_rank)
+        wkv = _local(attn.kv_b_proj.weight)
+        self.heads = wkv.shape[0] // (self.nope + self.vd)
+        wkv = wkv.view(self.heads, self.nope + self.vd, self.lora)
+        self.w_uk, self.w_uv = wkv[:, :self.nope], wkv[:, self.nope:]
+        self.q_lora = getattr(attn, "q_lora_rank", None)
+        self.wq = _local((attn.q_b_proj if self.q_lora else attn.q_proj).weight)
+        self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
+        self.bo = None if self.bo is None else _local(self.bo)
+        self.scale = float(attn.scaling)
+        self.interleave = bool(getattr(cfg, "rope_interleave", False))
+        self.window = _window(cfg, attn, i)
+
+    def alloc(self, cache: KVCache, rows: int) -> None:
+        cache.add_latent(self.i, _held_rows(rows, self.core_need, self.tp), self.lora, self.rope_d,
+                         window=self.window)
+
+    def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
+        a, tp = self.attn, self.tp
+        x = repair(x, residual, self.walk["steps"][0][2], tp)
+        qin = a.q_a_layernorm(a.q_a_proj(x)) if self.q_lora else x
+        q = F.linear(qin, self.wq)
+        ckv = a.kv_a_proj_with_mqa(x)
+        lat, k_rot = ckv.split([self.lora, self.rope_d], -1)
+        lat = a.kv_a_layernorm(lat)
+        rows = _held_rows(x.shape[0], self.core_need, tp)  # R -> S(0): a local slice
+        q, lat, k_rot = q[rows], lat[rows], k_rot[rows]
+        r, s = q.shape[0], q.shape[1]
+        q = q.view(r, s, self.heads, self.nope + self.rope_d).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope_d], -1)
+        layer = cache.layers[self.i]
+        start = cache.start[layer.rows]
+        cos, sin = rope_tables(positions(steps, start))
+        q_rot = rope(q_rot, cos, sin, self.interleave)
+        k_rot = rope(k_rot[:, None], cos, sin, self.interleave)[:, 0]
+        layer.write(steps, lat, k_rot)
+        if prefill:
+            keys, krs, kst = lat, k_rot, steps
+        else:
+            keys, krs, kst = layer.view(upto)
+        q_lat = torch.einsum("rhsd,hdl->rhsl", q_nope, self.w_uk)
+        scores = (q_lat @ keys[:, None].transpose(-1, -2).to(q.dtype)
+                  + q_rot @ krs[:, None].transpose(-1, -2).to(q.dtype)) * self.scale
+        mask = visible(kst, steps, start, self.window)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        o_lat = probs.to(q.dtype) @ keys[:, None].to(q.dtype)
+        o = torch.einsum("rhsl,hvl->rshv", o_lat, self.w_uv).flatten(2)
+        (_, _, need, prod) = self.walk["steps"][2]
+        o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, self.c_out, tp)
+        return repair(o, prod, self.walk["end"], tp)
+
+
+class Layer:
+    """One decoder layer: norms (replicated), attention and the MLP / MoE branches."""
+
+    def __init__(self, layer, kind_walk: dict, tp: Group, ep: Group, cfg, i: int):
+        attn = layer.self_attn
+        cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
+        self.attn = cls(attn, kind_walk["attention"], tp, cfg, i)
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        extra = {n for n, _ in layer.named_children()} - {
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        if extra:
+            raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
+        mlp = layer.mlp
+        self.experts = ExpertsLocal(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
+        self.mlp = None if self.experts else DenseMLP(mlp, kind_walk["mlp"], tp)
+        self.shared = (DenseMLP(mlp.shared_experts, kind_walk["shared_experts"], tp)
+                       if self.experts and "shared_experts" in kind_walk else None)
+        if self.experts and hasattr(mlp, "shared_expert"):
+            raise NotImplementedError("a gated shared expert (Qwen-MoE)")
+
+    def __call__(self, h, residual, cache, steps, upto, rope_tables, prefill):
+        x = _norm(self.ln1, h)
+        h = h + self.attn(x, residual, cache, steps, upto, rope_tables, prefill)
+        x = _norm(self.ln2, h)
+        if self.experts is None:
+            return h + self.mlp(x, residual)
+        out = self.experts(x, residual)
+        if self.shared is not None:
+            out = out + self.shared(x, residual)
+        return h + out
+
+
+def _norm(module, x):
+    return rms_norm(x, module.weight, module.variance_epsilon)
+
+
+class FastModel:
+    """This rank's share of a parallelized HF causal LM, run on local shards.
+
+    ``model``: what ``parallelize`` returned (a pipelined model: its stage's cut model);
+    ``world_mesh``: the plan's mesh (dims among ``pp``, ``dp``, ``ep``, ``tp``); ``walks``:
+    the plan's walk data (module docstring); ``layer_kinds``: kind -> layer indices.
+    :meth:`forward` maps this rank's token rows to last-position logits (last stage) or
+    sends the hidden states on (other stages)."""
+
+    def __init__(self, model, world_mesh, walks: dict, layer_kinds: dict):
+        if hasattr(model, "stage") and hasattr(model.stage, "model"):
+            model = model.stage.model
+        self.cfg = cfg = _lm_config(model)
+        names = tuple(world_mesh.mesh_dim_names or ())
+        self.tp = Group(world_mesh["tp"] if "tp" in names else None)
+        self.ep = Group(world_mesh["ep"] if "ep" in names else None)
+        self.pp = Group(world_mesh["pp"] if "pp" in names else None)
+        self.batch = Group(batch_mesh(world_mesh))
+        self.residual = walks.get("residual", "R")
+        if self.residual != "R":
+            raise NotImplementedError("sequence parallelism (the fast runtime keeps the "
+                                      "residual stream replicated over tp)")
+        self.walks = walks
+        inner = model.model
+        kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
+        layers = decoder_layers(model)
+        self.layers = {i: Layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
+                       for i in range(len(layers)) if any(True for _ in layers[i].parameters())}
+        self.first = inner.embed_tokens is not None
+        self.last = getattr(model, "lm_head", None) is not None
+        if self.first:
+            self.embed = _local(inner.embed_tokens.weight)
+            if getattr(inner.embed_tokens, "embed_scale", None) is not None:
+                raise NotImplementedError("a scaled embedding")
+        if self.last:
+            self.norm = inner.norm
+            self.head = _local(model.lm_head.weight)
+            self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
+            if getattr(cfg, "final_logit_softcapping", None):
+                raise NotImplementedError("final logit softcapping")
+        self.rotary = inner.rotary_emb
+        self.hidden = int(cfg.hidden_size)
+        self.dtype = next(p for p in model.parameters()).dtype
+        self.device = next(p for p in model.parameters()).device
+        if self.pp:
+            ranks = dist.get_process_group_ranks(self.pp.pg)
+            me = self.pp.rank
+            self.prev = ranks[me - 1] if me > 0 else None
+            self.next = ranks[me + 1] if me + 1 < len(ranks) else None
+            self.last_rank = ranks[-1]
+        self._tables = None
+
+    @property
+    def graphable(self) -> bool:
+        """Whether a decode step can be captured as a CUDA graph (no host-read split
+        sizes: ep = 1; no point-to-point sends: pp = 1)."""
+        return not self.ep and not self.pp and all(
+            layer.experts is None for layer in self.layers.values())
+
+    def new_cache(self, rows: int, context: int) -> KVCache:
+        """This rank's KV cache for ``rows`` rows (its dp x ep slice) and ``context`` steps."""
+        cache = KVCache(rows, context, self.device, self.dtype)
+        for layer in self.layers.values():
+            layer.attn.alloc(cache, rows)
+        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
+                               torch.arange(context, device=self.device)[None])
+        self._tables = (cos[0], sin[0])
+        return cache
+
+    def rope_tables(self, pos: torch.Tensor):
+        """cos / sin ``[rows, seq, rope dim]`` of positions ``pos [rows, seq]``."""
+        cos, sin = self._tables
+        return cos[pos], sin[pos]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        (_, choice, _, prod), = self.walks["embedding"]["steps"]
+        w = self.embed
+        if choice == "vocab" and self.tp:
+            lo = self.tp.rank * w.shape[0]
+            local = ids - lo
+            hit = (local >= 0) & (local < w.shape[0])
+            e = F.embedding(local.clamp(0, w.shape[0] - 1), w) * hit[..., None].to(w.dtype)
+        else:
+            e = F.embedding(ids, w)
+        return repair(e, prod if self.tp else "R", self.residual, self.tp)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        (_, choice, need, prod), = self.walks["lm_head"]["steps"]
+        x = _norm(self.norm, h)
+        y = linear(repair(x, self.residual, need, self.tp), self.head, self.head_bias, choice,
+                   self.tp)
+        y = repair(y, prod, "R", self.tp)
+        return y.wait() if hasattr(y, "wait") else y  # the step's output: collective done
+
+    def forward(self, ids: torch.Tensor | None, cache: KVCache, steps: torch.Tensor,
+                upto: int, prefill: bool) -> torch.Tensor | None:
+        """Run this rank's stage on token ids ``[rows, seq]`` (the first stage; later stages
+        receive the hidden states) written at ``steps [seq]``; attention reads ``upto``
+        cache slots. Returns the last position's logits ``[rows, 1, vocab]`` on the last
+        stage, None elsewhere."""
+        if self.first:
+            h = self._embed(ids)
+        else:
+            h = torch.empty(cache.rows, steps.shape[0], self.hidden, dtype=self.dtype,
+                            device=self.device)
+            dist.recv(h, src=self.prev)
+        for layer in self.layers.values():
+            h = layer(h, self.residual, cache, steps, upto, self.rope_tables, prefill)
+        if not self.last:
+            dist.send(h.contiguous(), dst=self.next)
+            return None
+        return self._logits(h[:, -1:])

@@ -1,0 +1,85 @@
+"""The fast runtime's decode step issues exactly the collectives the cost model charges, as
+(collective, mesh dim, bytes), on 4 fake ranks (rank 0 of a ``fake`` process group, the
+plan's torch-style ``parallelize.py`` placing the weights of the tiny model).
+
+One decode step (``[rows, 1]`` token ids, float32) of :class:`shardc.runtime.fast.FastModel`
+runs under :class:`collective_record.CollectiveRecorder`; the expected multiset is
+:meth:`CostModel.simulate`'s ``collectives`` for the plan (decode, ``batch`` = 8 sequences
+per dp replica: each rank's layers see ``8 / ep`` rows), as in
+``tests/test_runtime_styles_bytes.py``. The one exempt extra, issued and not charged: with
+ep > 1 the per-expert counts exchange before the uneven dispatch, one ``all_to_all`` of
+``E`` int64 per MoE layer. Unlike the model-level forward, a decode step gathers no logits
+over dp x ep (``generate`` gathers the new tokens once, at the end).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+from collective_record import CollectiveRecorder, group_names
+from test_backend_fake import assert_records_match
+from test_fast_runtime import CASES as GLOO_CASES
+from test_runtime_styles_bytes import charged
+
+BATCH = 8
+CHECKED = ["llama tp4", "llama dp2 tp2 batch-split attention", "mixtral ep2 tp2",
+           "deepseek MLA tp4"]
+
+
+def _decode_records(plan, walks, model_file, strategy, label):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build
+    from shardc.runtime.fast import FastModel
+    from shardc.runtime.generate import decode_step
+
+    spec = importlib.util.spec_from_loader(f"fast_bytes_{abs(hash(label))}", loader=None)
+    code = importlib.util.module_from_spec(spec)
+    exec(compile(plan.code(standalone=True), f"<{label} parallelize.py>", "exec"), code.__dict__)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        world = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
+                                 mesh_dim_names=tuple(code.MESH_DIM_NAMES))
+        deg = strategy.degrees
+        rows = BATCH // deg.ep
+        model, ids = _build(model_file, rows, 1)
+        model = code.parallelize(model, world_mesh=world)
+        fast = FastModel(model, world, walks, code.LAYER_KINDS)
+        cache = fast.new_cache(rows, 16)
+        cache.reset(torch.zeros(rows, dtype=torch.long))
+        with torch.no_grad(), CollectiveRecorder(group_names([world])) as rec:
+            decode_step(fast, cache, ids)
+    finally:
+        dist.destroy_process_group()
+    return list(rec.records)
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_decode_step_collectives_are_the_cost_models(name):
+    from shardc.backends.apply import strategy_from_names
+
+    from shardc.backends.runtime_walks import plan_walks
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.plan import build_plan
+
+    model_file, degrees, choices = GLOO_CASES[name]
+    graph = load_graph(model_file, tiny=True)
+    strategy = strategy_from_names(degrees, choices, BATCH)
+    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
+                      Workload(batch=BATCH, context=512))
+    walks = plan_walks({str(o["name"]): str(o["choice"]) for o in plan.ops}, strategy.degrees)
+    got = _decode_records(plan, walks, model_file, strategy, name)
+    experts = int(graph.config.get("num_experts", 0) or 0)
+    moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
+    if strategy.degrees.ep > 1:
+        for _ in range(moe_layers):
+            extra = ("all_to_all", "ep", experts * 8)
+            assert extra in got, (f"count exchange {extra} not issued", sorted(got))
+            got.remove(extra)
+    assert got, name
+    assert_records_match(got, charged(graph, strategy), name)
