@@ -38,14 +38,17 @@ def load_model_graph(model, example_inputs=None, name: str | None = None) -> Gra
     raise InputError(f"cannot compile a {type(model).__name__}: give a path, nn.Module or Graph")
 
 
-def check_backend_support(model) -> None:
-    """InputError when the DTensor backend cannot run ``model`` (a path or an nn.Module)."""
+def backend_verdict(model) -> dict:
+    """plan.json ``backend`` for ``model`` (a path or an nn.Module): ``{"runs": bool,
+    "reason": str | None}`` (:mod:`shardc.backends.support`); ``{}`` for an ``.onnx`` file
+    or a Graph (no DTensor code is emitted for them)."""
     from shardc.backends import support
 
     if isinstance(model, (str, Path)) and not str(model).endswith(".onnx"):
-        support.check_model_file(str(model))
-    elif not isinstance(model, (str, Path, Graph)):
-        support.check_module(model)
+        return support.backend_verdict(str(model))
+    if not isinstance(model, (str, Path, Graph)):
+        return support.verdict_of_module(model)
+    return {}
 
 
 def check_kernels(kernels: str, engine: str) -> None:
@@ -118,8 +121,10 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
 
-    ``check_backend``: first refuse (InputError) a model the DTensor backend cannot run
-    (:mod:`shardc.backends.support`), so no plan comes with a ``parallelize.py`` that fails;
+    ``check_backend``: ask whether the DTensor backend can run the model
+    (:mod:`shardc.backends.support`) and record the answer as plan.json ``backend {runs,
+    reason}``; a plan whose backend does not run is still a plan (engine launch scripts need
+    no DTensor backend) but has no ``parallelize.py`` (:meth:`Plan.code` refuses it).
     ``.onnx`` files (no DTensor code is emitted for them) and Graphs are not checked.
     ``launch``: also search each engine's best configuration for plan.json ``launch``."""
     from shardc.driver import search_pass
@@ -138,8 +143,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     workload = workload or Workload()
     hw = load_hardware(hardware)
     graph = load_model_graph(model, example_inputs, name)  # a model traced wrongly is refused first
-    if check_backend:
-        check_backend_support(model)
+    verdict = backend_verdict(model) if check_backend else {}
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     if workload.phase == "serve":
@@ -155,6 +159,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                           fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                           allow_cross_node_tp=bool(allow_cross_node_tp),
                           serve_search=serve_search)
+        for pool_plan in out.pool_plans.values():
+            pool_plan.backend = dict(verdict)
         return plan, out
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
@@ -191,6 +197,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         attach_launch(plan, outcome, graph=graph, mesh=mesh, hw=hw, workload=workload,
                       fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                       allow_cross_node_tp=bool(allow_cross_node_tp))
+    plan.backend = dict(verdict)
     return plan, outcome
 
 

@@ -64,6 +64,9 @@ class Plan:
     serving: dict = field(default_factory=dict)  # --phase serve only (SPEC section 4)
     # each engine's best configuration (shardc.launch_plan; SPEC section 4 ``launch``)
     launch: dict = field(default_factory=dict)
+    # can the DTensor backend run the model: {"runs": bool, "reason": str | None}; {} = not
+    # asked (an ONNX model, a Graph, a plan written before the key)
+    backend: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
     def to_dict(self) -> dict[str, Any]:
@@ -72,7 +75,15 @@ class Plan:
             out["serving"] = self.serving
         if self.launch:
             out["launch"] = self.launch
+        if self.backend:
+            out["backend"] = self.backend
         return out
+
+    @property
+    def backend_runs(self) -> bool:
+        """False when compile found the DTensor backend cannot run the model (no
+        ``parallelize.py``; plan.json ``backend.reason`` says why)."""
+        return bool((self.backend or {}).get("runs", True))
 
     def strategy(self) -> Strategy:
         """The decoded strategy (degrees, batch, per-op choice indices)."""
@@ -97,6 +108,8 @@ class Plan:
                          f"TPOT {number_or_dash(p.get('tpot_ms'), '.2f')} ms, "
                          f"TTFT {number_or_dash(p.get('ttft_ms'), '.1f')} ms, memory "
                          f"{number_or_dash(p.get('memory_gb_per_gpu'), '.1f')} GB/GPU")
+        if not self.backend_runs:
+            lines.append(f"no parallelize.py: {one_line(self.backend.get('reason'))}")
         for o in self.ops:
             lines.append(f"  {one_line(o['name']):<28} {o['choice']}")
         text = "\n".join(lines)
@@ -117,9 +130,13 @@ class Plan:
     # ------------------------------------------------------------------ backend
     def code(self, standalone: bool = False) -> str:
         """``parallelize.py`` source for this plan (``standalone``: on torch's parallel API,
-        importing only torch; InputError for a plan that path does not cover yet)."""
+        importing only torch; InputError for a plan that path does not cover yet, or whose
+        model the DTensor backend cannot run: plan.json ``backend.reason``)."""
         from shardc.backends.dtensor import emit_parallelize
 
+        if not self.backend_runs:
+            raise InputError(f"{one_line(self.backend.get('reason'))}; this plan has no "
+                             "parallelize.py (its engine launch scripts need none)")
         return emit_parallelize(self, standalone=standalone)
 
     def apply(self, model, device_mesh=None):
@@ -269,7 +286,8 @@ def load_plan(path: str | Path) -> Plan:
                          f"{' and '.join(map(str, READABLE_SCHEMAS))})")
     validate_plan_dict(data, str(path))
     return Plan(**{k: data[k] for k in _KEYS}, serving=dict(data.get("serving") or {}),
-                launch=dict(data.get("launch") or {}))
+                launch=dict(data.get("launch") or {}),
+                backend=dict(data.get("backend") or {}))
 
 
 def validate_plan_dict(data: dict, where: str = "plan") -> None:

@@ -15,7 +15,11 @@
 * attention features the layout-aware forward does not implement are refused (chunked
   attention, layers without rotary embeddings).
 
-:func:`check_model_file` raises :class:`InputError` (exit 2) naming the family and the part.
+:func:`backend_verdict` answers for ``shardc compile``: the plan, its reports and the engine
+launch scripts are written whatever the answer (neither engine needs this backend), and
+plan.json ``backend {runs, reason}`` records it; a model the backend cannot run gets no
+``parallelize.py``. :func:`check_module` raises :class:`InputError` (exit 2) naming the family
+and the part, for what needs the backend (``shardc verify``, ``Plan.apply``).
 """
 
 from __future__ import annotations
@@ -133,21 +137,34 @@ def family_name(model: nn.Module) -> str:
     return str(getattr(config, "model_type", "") or type(model).__name__)
 
 
+def refusal(family: str, problem: str) -> str:
+    """The one line that says why the DTensor backend cannot run a model of ``family``."""
+    return f"{family}: the DTensor backend cannot run this model ({problem})"
+
+
+def verdict_of_module(model) -> dict:
+    """plan.json ``backend`` of an ``nn.Module``: ``{"runs": True, "reason": None}`` or
+    ``{"runs": False, "reason": <family and unsupported part>}``."""
+    problem = backend_problem(model)
+    return {"runs": problem is None,
+            "reason": refusal(family_name(model), problem) if problem else None}
+
+
 def check_module(model: nn.Module, source: str = "") -> None:
     """:class:`InputError` (one line: family and unsupported part) if the backend cannot run it."""
     problem = backend_problem(model)
     if problem:
         where = f"{source}: " if source else ""
-        raise InputError(f"{where}{family_name(model)}: the DTensor backend cannot run this "
-                         f"model ({problem}); no parallelize.py would work, so nothing is written")
+        raise InputError(f"{where}{refusal(family_name(model), problem)}; no parallelize.py "
+                         "would work")
 
 
-def check_model_file(path: str) -> None:
-    """Build the model of ``path`` (``tiny_model()`` when the file has one: same structure,
-    cheaper; otherwise ``build_model()``, on meta for full-size models) and :func:`check_module`.
-    The verdict is cached beside the traced graph (keyed by the model file, the source files
-    it imported and the backend's code), so a warm compile neither builds the model again
-    nor imports torch for it."""
+def backend_verdict(path: str) -> dict:
+    """plan.json ``backend`` (see :func:`verdict_of_module`) of the model file ``path``:
+    built as ``tiny_model()`` when the file has one (same structure, cheaper; otherwise
+    ``build_model()``, on meta for full-size models). The verdict is cached beside the traced
+    graph (keyed by the model file, the source files it imported and the backend's code), so
+    a warm compile neither builds the model again nor imports torch for it."""
     import json
 
     from shardc.frontends import graph_cache
@@ -164,11 +181,16 @@ def check_model_file(path: str) -> None:
         with recording_imports() as imported:
             src = load_model_file(path)
             model, _ = src.build(tiny=src.tiny_model is not None)
-            verdict = {"problem": backend_problem(model), "family": family_name(model),
-                       "source": src.source}
+            verdict = {"problem": backend_problem(model), "family": family_name(model)}
         if key:
             graph_cache.store_text(key, json.dumps(verdict), deps=imported)
-    if verdict["problem"]:
-        raise InputError(f"{path}: {verdict['family']}: the DTensor backend cannot run this "
-                         f"model ({verdict['problem']}); no parallelize.py would work, so "
-                         "nothing is written")
+    problem = verdict["problem"]
+    return {"runs": problem is None,
+            "reason": refusal(verdict["family"], problem) if problem else None}
+
+
+def check_model_file(path: str) -> None:
+    """:class:`InputError` (exit 2) when the backend cannot run the model of ``path``."""
+    verdict = backend_verdict(path)
+    if not verdict["runs"]:
+        raise InputError(f"{path}: {verdict['reason']}; no parallelize.py would work")

@@ -242,7 +242,13 @@ def baseline_ratios(plan) -> dict[str, str]:
 
 def run(args) -> int:
     import shardc.api as api
-    from shardc.commands.reports import graph_dot, graph_table, workload_note, write_outputs
+    from shardc.commands.reports import (
+        graph_dot,
+        graph_table,
+        print_backend_refusal,
+        workload_note,
+        write_outputs,
+    )
 
     model_path = Path(args.model)
     if args.standalone and model_path.suffix.lower() == ".onnx":
@@ -273,7 +279,7 @@ def run(args) -> int:
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome, plan),
     }
-    if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
+    if not from_onnx and plan.backend_runs:  # DTensor code needs the torch module
         files["parallelize.py"] = plan.code(standalone=args.standalone)
     files.update(launch_files(plan))
     written = write_outputs(out, files)
@@ -281,6 +287,7 @@ def run(args) -> int:
     for line in launch_summary_lines(plan):
         print(line)
     print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
+    print_backend_refusal(out, plan, written)
     if from_onnx:
         from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE
 

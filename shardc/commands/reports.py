@@ -130,3 +130,18 @@ def graph_dot(name: str, nodes: list[dict], note: str = "") -> str:
                 lines.append(f"  {ids[i]} -> {ids[n['name']]}{attrs};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def print_backend_refusal(out: Path, plan, written: list) -> None:
+    """When the DTensor backend cannot run the plan's model: say so (plan.json ``backend``)
+    and remove a ``parallelize*.py`` an earlier compile left in ``out`` (it would be read
+    as this plan's)."""
+    if plan.backend_runs:
+        return
+    from shardc.text import one_line
+
+    for stale in sorted(out.glob("parallelize*.py")):
+        if stale not in written:
+            stale.unlink()
+    print(f"no parallelize.py: {one_line(plan.backend.get('reason'))}; plan.json and the "
+          "engine launch scripts do not need it")
