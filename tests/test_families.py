@@ -65,19 +65,51 @@ def test_llama4_experts_are_not_traced_as_a_dense_ffn(tmp_path):
         _graph(_tiny_config_json("llama4_scout", tmp_path))
 
 
-@pytest.mark.parametrize("name, part", [
-    ("gpt_oss_20b", "gpt_oss: the DTensor backend cannot run this model"),
-    ("llama4_scout", "experts computed densely")])
-def test_compile_refuses_what_it_cannot_plan_or_run(tmp_path, capsys, name, part):
-    """One line, exit 2, nothing written: GPT-OSS (sinks, router and expert biases) cannot be
-    run by the backend; Llama-4 would be traced as a different model."""
-    cfg = _tiny_config_json(name, tmp_path)
+def test_compile_refuses_what_it_cannot_plan(tmp_path, capsys):
+    """One line, exit 2, nothing written: Llama-4 would be traced as a different model."""
+    cfg = _tiny_config_json("llama4_scout", tmp_path)
     out = tmp_path / "out"
     rc = main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
                "--context", "64", "--out", str(out), "--quiet"])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
-    assert rc == 2 and len(lines) == 1 and part in lines[0], lines
+    assert rc == 2 and len(lines) == 1 and "experts computed densely" in lines[0], lines
     assert not out.exists()
+
+
+def test_a_model_the_backend_cannot_run_is_planned_without_parallelize_py(tmp_path, capsys):
+    """GPT-OSS (sinks, router and expert biases): the DTensor backend cannot run it, which
+    the engines do not need -- plan.json, the reports and both launch scripts are written, no
+    parallelize.py (a stale one from an earlier compile is removed), exit 0, and plan.json
+    ``backend`` and the summary say why; ``Plan.code`` and ``shardc verify`` refuse it."""
+    from shardc.plan import load_plan
+
+    cfg = _tiny_config_json("gpt_oss_20b", tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "parallelize.py").write_text("# an earlier model's\n")
+    rc = main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
+               "--context", "64", "--out", str(out), "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "no parallelize.py: gpt_oss: the DTensor backend cannot run this model" in text
+    for name in ("plan.json", "graph.txt", "launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
+        assert (out / name).exists(), name
+    assert not (out / "parallelize.py").exists()
+    plan = load_plan(out / "plan.json")
+    assert plan.backend["runs"] is False and "GptOssExperts" in plan.backend["reason"]
+    with pytest.raises(InputError, match="has no parallelize.py"):
+        plan.code()
+    rc = main(["verify", str(cfg), "--plan", str(out / "plan.json"), "--world", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the DTensor backend cannot run this model" in err
+
+
+def test_a_runnable_model_records_that_its_backend_runs(tmp_path):
+    import shardc
+
+    plan = shardc.compile(_tiny_config_json("llama3_1_8b", tmp_path), mesh="2x1",
+                          search="megatron", budget=1)
+    assert plan.to_dict()["backend"] == {"runs": True, "reason": None}
 
 
 def test_phi_moe_longrope_traces_with_its_router_and_top_k(tmp_path):
@@ -172,3 +204,60 @@ def test_backend_routing_is_the_models_own(name):
         return torch.zeros(32, site.num_experts).scatter(1, i, w.float())
 
     torch.testing.assert_close(dense(mine_w, mine_i), dense(weights, experts))
+
+
+def _cut(name: str, folder: Path, layers: int, **override) -> Path:
+    """The family's public config.json at full width with ``layers`` decoder layers."""
+    data = json.loads(config_path(name).read_text())
+    data.update(num_hidden_layers=layers, **override)
+    out = folder / name / "config.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_remote_code_model_type_is_built_from_the_class_its_architectures_name(tmp_path,
+                                                                               capsys):
+    """Kimi-K2 says model_type kimi_k2 (remote code, never run) and architectures
+    DeepseekV3ForCausalLM: read as DeepSeek-V3 (MLA, 384 experts, top-8), with a note; a type
+    whose architectures name no transformers class is one line, exit 2."""
+    from shardc.frontends.model_file import load_model_file
+
+    src = load_model_file(_cut("kimi_k2", tmp_path, 2))
+    assert len(src.notes) == 1 and "model_type 'kimi_k2' is not a transformers model type" \
+        in src.notes[0] and "DeepseekV3ForCausalLM (model_type 'deepseek_v3')" in src.notes[0]
+    from shardc.frontends.hf_types import known_model_type
+
+    data, _ = known_model_type(json.loads(config_path("kimi_k2").read_text()), "kimi")
+    assert data["model_type"] == "deepseek_v3" and data["n_routed_experts"] == 384
+    bad = _cut("kimi_k2", tmp_path / "bad", 2, architectures=["KimiForCausalLM"])
+    rc = main(["inspect", str(bad)])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
+    assert rc == 2 and len(lines) == 1, lines
+    assert "'kimi_k2' is not a transformers model type" in lines[0]
+    assert "never runs a config's remote code" in lines[0]
+
+
+HYBRID = Path(__file__).parent / "data" / "hybrid"
+
+
+@pytest.mark.parametrize("name, part", [
+    ("qwen3_next_80b_a3b", "qwen3_next: 36 of 48 layers (0, 1, 2, 4, 5, 6, ...) are linear "
+                           "attention / state-space layers (Qwen3NextGatedDeltaNet)"),
+    ("jamba_v0_1", "jamba: 28 of 32 layers (0, 1, 2, 3, 5, 6, ...) are linear attention / "
+                   "state-space layers (JambaMambaMixer)")])
+def test_every_command_refuses_layers_it_does_not_model_by_name(tmp_path, capsys, name, part):
+    """Gated DeltaNet and Mamba layers keep a constant recurrent state, not a KV cache:
+    until the cost model has their kinds, simulate, inspect and compile refuse them by name
+    (one line, exit 2) instead of pricing them as attention."""
+    cfg = HYBRID / name / "config.json"
+    out = tmp_path / "out"
+    for argv in (["inspect", str(cfg)],
+                 ["simulate", str(cfg), "--mesh", "8x1", "--degrees", "tp=8"],
+                 ["compile", str(cfg), "--mesh", "8x1", "--search", "megatron", "--budget",
+                  "1", "--out", str(out), "--quiet"]):
+        rc = main(argv)
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
+        assert rc == 2 and len(lines) == 1 and part in lines[0], (argv[0], lines)
+        assert "not supported" in lines[0]
+    assert not out.exists()
