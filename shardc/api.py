@@ -116,7 +116,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          degrees: str | dict | None = None, kernels: str = "silicon",
                          engine: str | None = None, allow_cross_node_tp: bool = False,
                          runtime: str = "dtensor", hf_id: str | None = None,
-                         launch: bool = True):
+                         launch: bool = True, weights_from_checkpoint: bool | None = None):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
@@ -126,8 +126,13 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     reason}``; a plan whose backend does not run is still a plan (engine launch scripts need
     no DTensor backend) but has no ``parallelize.py`` (:meth:`Plan.code` refuses it).
     ``.onnx`` files (no DTensor code is emitted for them) and Graphs are not checked.
-    ``launch``: also search each engine's best configuration for plan.json ``launch``."""
+    ``launch``: also search each engine's best configuration for plan.json ``launch``.
+
+    ``weights_from_checkpoint``: price the weights in the format the checkpoint's
+    ``quantization_config`` stores (FP8), not ``workload.weights`` (default: when no
+    ``workload`` is given; :mod:`shardc.ir.checkpoint`); plan.json ``model.checkpoint``."""
     from shardc.driver import search_pass
+    from shardc.ir.checkpoint import checkpoint_weights
     from shardc.plan import build_plan
 
     if search not in POLICIES:
@@ -140,9 +145,13 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     if int(seed) < 0:
         raise InputError(f"--seed {seed}: expected a non-negative integer")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+    if weights_from_checkpoint is None:
+        weights_from_checkpoint = workload is None
     workload = workload or Workload()
     hw = load_hardware(hardware)
     graph = load_model_graph(model, example_inputs, name)  # a model traced wrongly is refused first
+    workload, checkpoint = checkpoint_weights(graph.config, workload,
+                                              bool(weights_from_checkpoint))
     verdict = backend_verdict(model) if check_backend else {}
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
@@ -161,6 +170,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                           serve_search=serve_search)
         for pool_plan in out.pool_plans.values():
             pool_plan.backend = dict(verdict)
+            if checkpoint:
+                pool_plan.model["checkpoint"] = dict(checkpoint)
         return plan, out
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
@@ -198,6 +209,8 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                       fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                       allow_cross_node_tp=bool(allow_cross_node_tp))
     plan.backend = dict(verdict)
+    if checkpoint:
+        plan.model["checkpoint"] = dict(checkpoint)
     return plan, outcome
 
 

@@ -261,3 +261,34 @@ def test_every_command_refuses_layers_it_does_not_model_by_name(tmp_path, capsys
         assert rc == 2 and len(lines) == 1 and part in lines[0], (argv[0], lines)
         assert "not supported" in lines[0]
     assert not out.exists()
+
+
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("quant, flags, weights, line", [
+    (FP8_BLOCKS, [], "fp8", "weights fp8: the checkpoint's quantization_config (fp8 e4m3, "
+                            "128x128 blocks)"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, [], "fp8",
+     "weights fp8: the checkpoint's quantization_config (fp8 e4m3, per tensor)"),
+    (FP8_BLOCKS, ["--weights", "bf16"], "bf16",
+     "weights bf16: --weights (the checkpoint stores fp8 e4m3, 128x128 blocks)"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, [], "bf16",
+     "warning: the checkpoint's quantization_config (awq, 4-bit) is not modelled; weights "
+     "priced as bf16")])
+def test_quantization_config_sets_the_default_weight_format(tmp_path, capsys, quant, flags,
+                                                             weights, line):
+    """An FP8 checkpoint (blocks or per tensor) is planned in fp8 unless --weights says
+    otherwise; a scheme shardc does not model is priced as bf16 and says so; the summary and
+    plan.json model.checkpoint / workload.weights record it."""
+    cfg = _tiny_config_json("llama3_1_8b", tmp_path, quantization_config=quant)
+    out = tmp_path / "out"
+    rc = main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
+               "--context", "64", "--out", str(out), "--quiet", *flags])
+    text = capsys.readouterr().out
+    assert rc == 0 and line in text, text
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["workload"]["weights"] == weights
+    assert plan["model"]["checkpoint"]["weights"] == (None if quant["quant_method"] == "awq"
+                                                      else "fp8")

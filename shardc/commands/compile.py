@@ -53,6 +53,7 @@ def add_workload_arguments(p) -> None:
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
     add_quantisation_arguments(p)
+    p.set_defaults(weights=None)  # None: the checkpoint's format (quantization_config), else bf16
     add_kernel_arguments(p)
     add_routing_arguments(p)
 
@@ -78,7 +79,9 @@ def add_routing_arguments(p) -> None:
 def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
     """``--weights`` / ``--kv-cache`` (:data:`shardc.ir.strategy.QUANT_FORMATS`)."""
     p.add_argument("--weights", default=default, choices=list(QUANT_FORMATS),
-                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak")
+                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak "
+                        "(compile, simulate: default the format of a config.json's FP8 "
+                        "quantization_config, else bf16)")
     p.add_argument("--kv-cache", default=default, choices=list(QUANT_FORMATS),
                    help="KV-cache format: fp8 = 1 byte per cached element")
 
@@ -137,7 +140,7 @@ def workload_from_args(args) -> Workload:
     """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
                     tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
-                    weights=args.weights, kv_cache=args.kv_cache, isl=args.isl,
+                    weights=args.weights or "bf16", kv_cache=args.kv_cache, isl=args.isl,
                     osl=args.osl, mode=args.mode, routing=args.routing,
                     redundant_experts=args.redundant_experts, fp8_scaling=args.fp8_scaling)
 
@@ -208,6 +211,11 @@ def summary_table(plan) -> str:
         ["vs best practice", ratios.get("best_practice", "-")],
         ["kernels", str(pred.get("kernel_source") or "-")],
     ]
+    checkpoint = plan.model.get("checkpoint")
+    if checkpoint:
+        from shardc.ir.checkpoint import checkpoint_line
+
+        rows.append(["weights", checkpoint_line(checkpoint, plan.workload.get("weights"))])
     if "stronger" in ratios:
         rows.append([f"gain vs stronger baseline ({BASELINE_NAMES[ratios['stronger']]})",
                      ratios[ratios["stronger"]]])
@@ -262,7 +270,7 @@ def run(args) -> int:
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
             degrees=fixed, kernels=args.kernels, engine=args.engine,
             allow_cross_node_tp=args.allow_cross_node_tp, runtime=args.runtime,
-            hf_id=args.hf_id)
+            hf_id=args.hf_id, weights_from_checkpoint=args.weights is None)
     finally:
         if bar is not None:
             bar.close()

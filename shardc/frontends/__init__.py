@@ -76,6 +76,8 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
             graph = graph_from_module(model, inputs, name=src.name, source=src.source)
     if src.notes:
         graph.config["frontend_notes"] = list(src.notes)
+    if src.checkpoint:
+        graph.config["checkpoint"] = dict(src.checkpoint)
     _print_notes(graph)
     if key is not None:
         graph_cache.store_entry(key, graph, deps=imported)
