@@ -6,7 +6,9 @@
 >>> model = plan.apply(model, device_mesh)  # DTensor placements, in process
 
 Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
-list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers}]``
+list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers,
+attention, window}]`` (``attention``: ``full`` or ``sliding_window`` with its ``window`` in
+tokens, per kind: Gemma's alternating and 5:1 patterns show as kinds)
 and ``params [{fqn, shape, placements, local_shape, stage, op, layer, split_dims}]`` (what
 every rank holds; the fused op, decoder layer and the tensor dim each choice cuts come from
 the graph, :mod:`shardc.ir.param_roles`, with ``expert_dim`` / ``parts`` / ``tied`` where
@@ -33,6 +35,7 @@ from shardc.ir.contract import (
 )
 from shardc.ir.graph import Graph
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload, residual_placement
+from shardc.ir.windows import attention_variant
 from shardc.text import number_or_dash, one_line
 from shardc.validate import dumps_strict_json, loads_strict_json
 
@@ -248,8 +251,8 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         workload=wl, degrees=dict(deg.as_dict()),
         logical_mesh={"shape": list(shape), "dim_names": list(names)},
         spmd_dims=dims,
-        layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers)}
-                     for k in g.layer_kinds],
+        layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers),
+                      **attention_variant(k)} for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
         params=param_plan(g, strategy, kind_of_layer),  # KV heads: from the IR
         nodes=nodes, predicted=dict(predicted or {}), baseline=dict(baseline or {}),

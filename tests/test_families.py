@@ -292,3 +292,24 @@ def test_quantization_config_sets_the_default_weight_format(tmp_path, capsys, qu
     assert plan["workload"]["weights"] == weights
     assert plan["model"]["checkpoint"]["weights"] == (None if quant["quant_method"] == "awq"
                                                       else "fp8")
+
+
+def test_sliding_window_shows_in_plan_graph_and_parallelize(tmp_path):
+    """Gemma-2 alternates sliding-window and full layers: each kind's attention is in
+    plan.json layer_kinds, the graph.txt header and the parallelize.py comment of its kind."""
+    cfg = _tiny_config_json("gemma2_9b", tmp_path)
+    window = json.loads(cfg.read_text())["sliding_window"]
+    out = tmp_path / "out"
+    assert main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
+                 "--context", "64", "--out", str(out), "--quiet"]) == 0
+    kinds = json.loads((out / "plan.json").read_text())["layer_kinds"]
+    by_attention = {k.get("attention"): k for k in kinds}
+    assert set(by_attention) == {"sliding_window", "full"}
+    sliding = by_attention["sliding_window"]
+    assert sliding["window"] == window and sliding["layers"][0] == 0  # Gemma-2: even layers
+    text = (out / "graph.txt").read_text()
+    assert f"# layer kind {sliding['name']} x {sliding['count']} (layers 0" in text
+    assert f"sliding-window attention, window {window:,} tokens" in text
+    code = (out / "parallelize.py").read_text()
+    assert f"# {sliding['name']} x {sliding['count']}: sliding-window attention" in code
+    assert f"# {by_attention['full']['name']} x" in code and "full causal attention" in code

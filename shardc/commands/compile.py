@@ -254,7 +254,7 @@ def run(args) -> int:
         graph_dot,
         graph_table,
         print_backend_refusal,
-        workload_note,
+        plan_note,
         write_outputs,
     )
 
@@ -282,8 +282,8 @@ def run(args) -> int:
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
-        "graph.txt": graph_table(plan.nodes, workload_note(plan.workload)),
-        "graph.dot": graph_dot(plan.model["name"], plan.nodes, workload_note(plan.workload)),
+        "graph.txt": graph_table(plan.nodes, plan_note(plan)),
+        "graph.dot": graph_dot(plan.model["name"], plan.nodes, plan_note(plan)),
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome, plan),
     }

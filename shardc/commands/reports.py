@@ -85,6 +85,31 @@ def workload_note(workload: dict) -> str:
             "(b) batch, (s) tokens per sequence, (t) flattened tokens, (kv) key positions")
 
 
+def plan_note(plan) -> str:
+    """The ``#`` header of graph.txt / graph.dot: the workload the shapes are at and, when a
+    layer kind has a sliding window, every kind's attention variant."""
+    kinds = layer_kinds_note(plan.layer_kinds)
+    return workload_note(plan.workload) + (f"\n{kinds}" if kinds else "")
+
+
+def layer_kinds_note(layer_kinds: list[dict]) -> str:
+    """One line per layer kind of plan.json ``layer_kinds`` with its attention variant
+    (sliding window, full) -- the per-layer pattern graph.txt / graph.dot show in their
+    header; "" when no kind has one."""
+    from shardc.ir.windows import variant_text
+    from shardc.text import one_line
+
+    lines = []
+    for k in layer_kinds:
+        text = variant_text(k)
+        if text:
+            layers = ", ".join(str(i) for i in k["layers"][:8]) + \
+                (", ..." if len(k["layers"]) > 8 else "")
+            lines.append(f"layer kind {one_line(k['name'])} x {k['count']} (layers {layers}): "
+                         f"{text}")
+    return "\n".join(lines) if any("sliding" in ln for ln in lines) else ""
+
+
 def dot_text(text: object) -> str:
     """``text`` as the inside of a DOT quoted string, whatever it contains: quotes,
     backslashes, ``&`` and control characters become HTML entities (which Graphviz decodes

@@ -133,7 +133,7 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
         graph_dot,
         graph_table,
         print_backend_refusal,
-        workload_note,
+        plan_note,
         write_outputs,
     )
 
@@ -142,8 +142,8 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     strategy = outcome.choice.pools[-1][2]
     files = {
         "plan.json": plan.to_dict(),
-        "graph.txt": graph_table(plan.nodes, workload_note(plan.workload)),
-        "graph.dot": graph_dot(plan.model["name"], plan.nodes, workload_note(plan.workload)),
+        "graph.txt": graph_table(plan.nodes, plan_note(plan)),
+        "graph.dot": graph_dot(plan.model["name"], plan.nodes, plan_note(plan)),
         "trace.json": pool.cost_model.chrome_trace(strategy),
         "search.png": lambda p: _plot_search(p, plan, outcome),
         "pareto.png": lambda p: plot_pareto(p, plan),
