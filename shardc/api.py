@@ -168,6 +168,10 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                           fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                           allow_cross_node_tp=bool(allow_cross_node_tp),
                           serve_search=serve_search)
+        if verdict:
+            from shardc.backends.support import torch_style_verdict
+
+            verdict = torch_style_verdict(verdict, list(out.pool_plans.values()), graph)
         for pool_plan in out.pool_plans.values():
             pool_plan.backend = dict(verdict)
             if checkpoint:
@@ -208,6 +212,10 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         attach_launch(plan, outcome, graph=graph, mesh=mesh, hw=hw, workload=workload,
                       fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                       allow_cross_node_tp=bool(allow_cross_node_tp))
+    if verdict:
+        from shardc.backends.support import torch_style_verdict
+
+        verdict = torch_style_verdict(verdict, [plan], outcome.graph)
     plan.backend = dict(verdict)
     if checkpoint:
         plan.model["checkpoint"] = dict(checkpoint)

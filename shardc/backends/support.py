@@ -137,6 +137,59 @@ def family_name(model: nn.Module) -> str:
     return str(getattr(config, "model_type", "") or type(model).__name__)
 
 
+_NORM_ARITHMETIC = ("mul", "add", "sub", "div", "addcmul")  # a decomposed norm's scale / shift
+
+
+def _base_op(target: str) -> str:
+    parts = str(target).split(".")
+    return (parts[1] if len(parts) >= 3 else parts[-1]).lower()
+
+
+def unplaced_by_styles(graph) -> str | None:
+    """Why the torch-style runtime (:mod:`shardc.backends.torch_styles`, which runs the
+    model's own forward with its parameters placed per plan.json ``params``) would compute a
+    different model (None if it would not), read from the graph: a parameter of the attention
+    core, one read by a node no fused op claims (other than a per-token scalar gate) or a
+    1-D one read other than as a norm's scale or shift (an attention sink concatenated to
+    the scores: one value per head, which a heads split would have to cut) would stay whole
+    where the rank holds a share of the heads or features."""
+    for n in graph.nodes:
+        if not n.params or n.attrs.get("scalar_gate") or (n.fused_op == "norm" and (
+                n.op == "norm" or _base_op(n.target) in _NORM_ARITHMETIC)):
+            continue
+        if n.fused_op == "attn_core":
+            return (f"attention-core parameter {n.params[0].fqn} (per head) that the "
+                    "torch-style runtime does not split")
+        if n.fused_op in (None, "norm"):
+            return (f"parameter {n.params[0].fqn} read by {n.op} node {n.name} "
+                    f"({_base_op(n.target)}), which no op the torch-style runtime places "
+                    "claims")
+    return None
+
+
+def torch_style_verdict(verdict: dict, plans, graph) -> dict:
+    """plan.json ``backend`` once the plans are known: a model the first runtime's adapter
+    refuses (``verdict`` runs False) runs when the torch-style runtime covers every plan of
+    ``plans`` (:func:`~shardc.backends.torch_styles.style_plan`) and places every parameter
+    (:func:`unplaced_by_styles`): the emitted ``parallelize.py`` is then the torch-style one.
+    Otherwise ``verdict``, its reason extended with the torch-style path's."""
+    if verdict.get("runs", True):
+        return verdict
+    from shardc.backends.torch_styles import NotCovered, style_plan
+
+    problem = unplaced_by_styles(graph)
+    if problem is None:
+        for plan in plans:
+            try:
+                style_plan(plan)
+            except NotCovered as e:
+                problem = f"the torch-style runtime does not cover the plan: {e}"
+                break
+    if problem is None:
+        return {"runs": True, "reason": None}
+    return {"runs": False, "reason": f"{verdict['reason']}; {problem}"}
+
+
 def refusal(family: str, problem: str) -> str:
     """The one line that says why the DTensor backend cannot run a model of ``family``."""
     return f"{family}: the DTensor backend cannot run this model ({problem})"
