@@ -21,8 +21,6 @@ Activations of an HF decoder are ``[batch, seq, hidden]`` (the MoE experts see
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -230,6 +228,14 @@ class FullWidthNormParallel(ParallelStyle):
         return module
 
 
+def _shallow_copy(obj):
+    """A new object of ``obj``'s class sharing its attribute values (``copy.copy`` without
+    the import: the inlined runtime's imports are torch's)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
 class HeadParallelAttention(PrepareHiddenStates):
     """A heads split of an attention module whose packed q|k|v projection is column
     parallel (:class:`WeightColwiseParallel` with ``parts``): the module's head-count
@@ -254,7 +260,7 @@ class HeadParallelAttention(PrepareHiddenStates):
         config = getattr(module, "config", None)
         if config is not None and any(isinstance(getattr(config, k, None), int)
                                       for k in CONFIG_HEAD_SIZES):
-            config = copy.copy(config)  # this module's own: the model's config stays whole
+            config = _shallow_copy(config)  # this module's own: the model's stays whole
             for name in CONFIG_HEAD_SIZES:
                 value = getattr(config, name, None)
                 if isinstance(value, int) and not isinstance(value, bool):
