@@ -17,7 +17,8 @@ A pipeline-parallel plan runs each rank as one stage, torchtitan-style:
 Each stage runs the model's own forward (masks, rotary tables, Gemma-2's final logit
 softcapping): the first stage from ``input_ids``, a later one from the hidden states it
 received, passed as ``inputs_embeds`` (HF decoders feed them to the first layer as they are;
-an embedding scale such as Gemma-2's lives in the embedding module, on the first stage), a
+an embedding scale such as Gemma-2's lives in the embedding module, on the first stage;
+Granite's, applied by the model's forward to ``inputs_embeds``, is set to 1 on later stages), a
 stage before the last returning the hidden states after its last layer.
 """
 
@@ -47,6 +48,10 @@ def keep_stage(model: nn.Module, layers, first: bool, last: bool) -> nn.Module:
             inner.layers[i] = OtherStageLayer()
     if not first:
         inner.embed_tokens = None
+        if isinstance(getattr(inner, "embedding_multiplier", None), (int, float)):
+            # Granite scales inputs_embeds in the model's forward, not in its embedding
+            # module: a later stage's received hidden states are already scaled
+            inner.embedding_multiplier = 1.0
     if not last:
         inner.norm = nn.Identity()
         model.lm_head = None
