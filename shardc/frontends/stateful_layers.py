@@ -6,8 +6,8 @@ Pricing them as attention would be silently wrong (a KV cache growing with conte
 the layer keeps a constant recurrent + conv state), so every command refuses such a model by
 name (:class:`InputError`, exit 2). They are found from the model, not from a list of names:
 a decoder layer holding a ``torch.nn.Conv1d`` (the causal depthwise convolution of Gated
-DeltaNet and Mamba), or one the config's ``layer_types`` calls anything but an attention
-layer (transformers spells Mamba layers ``linear_attention`` too).
+DeltaNet and Mamba), or one the config's ``layer_types`` calls anything but an attention or
+FFN-only layer (transformers spells Mamba layers ``linear_attention`` too).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 from shardc.errors import InputError
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+FFN_TYPES = ("mlp", "moe", "dense", "sparse", "ffn")  # Nemotron-H lists its FFN-only layers too
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
@@ -39,7 +40,7 @@ def stateful_layers(model) -> dict[int, str]:
     types = getattr(text, "layer_types", None)
     if isinstance(types, (list, tuple)):
         for i, t in enumerate(types):
-            if isinstance(t, str) and t not in ATTENTION_TYPES:
+            if isinstance(t, str) and t not in ATTENTION_TYPES + FFN_TYPES:
                 found.setdefault(i, t)
     return found
 
