@@ -38,14 +38,17 @@ def load_model_graph(model, example_inputs=None, name: str | None = None) -> Gra
     raise InputError(f"cannot compile a {type(model).__name__}: give a path, nn.Module or Graph")
 
 
-def check_backend_support(model) -> None:
-    """InputError when the DTensor backend cannot run ``model`` (a path or an nn.Module)."""
+def backend_verdict(model) -> dict:
+    """plan.json ``backend`` for ``model`` (a path or an nn.Module): ``{"runs": bool,
+    "reason": str | None}`` (:mod:`shardc.backends.support`); ``{}`` for an ``.onnx`` file
+    or a Graph (no DTensor code is emitted for them)."""
     from shardc.backends import support
 
     if isinstance(model, (str, Path)) and not str(model).endswith(".onnx"):
-        support.check_model_file(str(model))
-    elif not isinstance(model, (str, Path, Graph)):
-        support.check_module(model)
+        return support.backend_verdict(str(model))
+    if not isinstance(model, (str, Path, Graph)):
+        return support.verdict_of_module(model)
+    return {}
 
 
 def check_kernels(kernels: str, engine: str) -> None:
@@ -113,16 +116,23 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                          degrees: str | dict | None = None, kernels: str = "silicon",
                          engine: str | None = None, allow_cross_node_tp: bool = False,
                          runtime: str = "dtensor", hf_id: str | None = None,
-                         launch: bool = True):
+                         launch: bool = True, weights_from_checkpoint: bool | None = None):
     """:func:`compile`, also returning the search pass's
     :class:`~shardc.driver.SearchOutcome` (annotated graph, cost model, curves),
     which ``shardc compile`` needs for trace.json, graph.dot and search.png.
 
-    ``check_backend``: first refuse (InputError) a model the DTensor backend cannot run
-    (:mod:`shardc.backends.support`), so no plan comes with a ``parallelize.py`` that fails;
+    ``check_backend``: ask whether the DTensor backend can run the model
+    (:mod:`shardc.backends.support`) and record the answer as plan.json ``backend {runs,
+    reason}``; a plan whose backend does not run is still a plan (engine launch scripts need
+    no DTensor backend) but has no ``parallelize.py`` (:meth:`Plan.code` refuses it).
     ``.onnx`` files (no DTensor code is emitted for them) and Graphs are not checked.
-    ``launch``: also search each engine's best configuration for plan.json ``launch``."""
+    ``launch``: also search each engine's best configuration for plan.json ``launch``.
+
+    ``weights_from_checkpoint``: price the weights in the format the checkpoint's
+    ``quantization_config`` stores (FP8), not ``workload.weights`` (default: when no
+    ``workload`` is given; :mod:`shardc.ir.checkpoint`); plan.json ``model.checkpoint``."""
     from shardc.driver import search_pass
+    from shardc.ir.checkpoint import checkpoint_weights
     from shardc.plan import build_plan
 
     if search not in POLICIES:
@@ -135,11 +145,14 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     if int(seed) < 0:
         raise InputError(f"--seed {seed}: expected a non-negative integer")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+    if weights_from_checkpoint is None:
+        weights_from_checkpoint = workload is None
     workload = workload or Workload()
     hw = load_hardware(hardware)
     graph = load_model_graph(model, example_inputs, name)  # a model traced wrongly is refused first
-    if check_backend:
-        check_backend_support(model)
+    workload, checkpoint = checkpoint_weights(graph.config, workload,
+                                              bool(weights_from_checkpoint))
+    verdict = backend_verdict(model) if check_backend else {}
     t0 = time.perf_counter()
     fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     if workload.phase == "serve":
@@ -155,6 +168,14 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                           fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                           allow_cross_node_tp=bool(allow_cross_node_tp),
                           serve_search=serve_search)
+        if verdict:
+            from shardc.backends.support import torch_style_verdict
+
+            verdict = torch_style_verdict(verdict, list(out.pool_plans.values()), graph)
+        for pool_plan in out.pool_plans.values():
+            pool_plan.backend = dict(verdict)
+            if checkpoint:
+                pool_plan.model["checkpoint"] = dict(checkpoint)
         return plan, out
     outcome = search_pass(graph, mesh, hw, workload, policy=search, budget=int(budget),
                           seed=int(seed), progress=progress, fixed=fixed, kernels=kernels,
@@ -191,6 +212,13 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
         attach_launch(plan, outcome, graph=graph, mesh=mesh, hw=hw, workload=workload,
                       fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                       allow_cross_node_tp=bool(allow_cross_node_tp))
+    if verdict:
+        from shardc.backends.support import torch_style_verdict
+
+        verdict = torch_style_verdict(verdict, [plan], outcome.graph)
+    plan.backend = dict(verdict)
+    if checkpoint:
+        plan.model["checkpoint"] = dict(checkpoint)
     return plan, outcome
 
 

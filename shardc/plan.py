@@ -6,7 +6,9 @@
 >>> model = plan.apply(model, device_mesh)  # DTensor placements, in process
 
 Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
-list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers}]``
+list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers,
+attention, window}]`` (``attention``: ``full`` or ``sliding_window`` with its ``window`` in
+tokens, per kind: Gemma's alternating and 5:1 patterns show as kinds)
 and ``params [{fqn, shape, placements, local_shape, stage, op, layer, split_dims}]`` (what
 every rank holds; the fused op, decoder layer and the tensor dim each choice cuts come from
 the graph, :mod:`shardc.ir.param_roles`, with ``expert_dim`` / ``parts`` / ``tied`` where
@@ -33,6 +35,7 @@ from shardc.ir.contract import (
 )
 from shardc.ir.graph import Graph
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload, residual_placement
+from shardc.ir.windows import attention_variant
 from shardc.text import number_or_dash, one_line
 from shardc.validate import dumps_strict_json, loads_strict_json
 
@@ -64,6 +67,9 @@ class Plan:
     serving: dict = field(default_factory=dict)  # --phase serve only (SPEC section 4)
     # each engine's best configuration (shardc.launch_plan; SPEC section 4 ``launch``)
     launch: dict = field(default_factory=dict)
+    # can the DTensor backend run the model: {"runs": bool, "reason": str | None}; {} = not
+    # asked (an ONNX model, a Graph, a plan written before the key)
+    backend: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
     def to_dict(self) -> dict[str, Any]:
@@ -72,7 +78,15 @@ class Plan:
             out["serving"] = self.serving
         if self.launch:
             out["launch"] = self.launch
+        if self.backend:
+            out["backend"] = self.backend
         return out
+
+    @property
+    def backend_runs(self) -> bool:
+        """False when compile found the DTensor backend cannot run the model (no
+        ``parallelize.py``; plan.json ``backend.reason`` says why)."""
+        return bool((self.backend or {}).get("runs", True))
 
     def strategy(self) -> Strategy:
         """The decoded strategy (degrees, batch, per-op choice indices)."""
@@ -97,6 +111,8 @@ class Plan:
                          f"TPOT {number_or_dash(p.get('tpot_ms'), '.2f')} ms, "
                          f"TTFT {number_or_dash(p.get('ttft_ms'), '.1f')} ms, memory "
                          f"{number_or_dash(p.get('memory_gb_per_gpu'), '.1f')} GB/GPU")
+        if not self.backend_runs:
+            lines.append(f"no parallelize.py: {one_line(self.backend.get('reason'))}")
         for o in self.ops:
             lines.append(f"  {one_line(o['name']):<28} {o['choice']}")
         text = "\n".join(lines)
@@ -117,9 +133,13 @@ class Plan:
     # ------------------------------------------------------------------ backend
     def code(self, standalone: bool = False) -> str:
         """``parallelize.py`` source for this plan (``standalone``: on torch's parallel API,
-        importing only torch; InputError for a plan that path does not cover yet)."""
+        importing only torch; InputError for a plan that path does not cover yet, or whose
+        model the DTensor backend cannot run: plan.json ``backend.reason``)."""
         from shardc.backends.dtensor import emit_parallelize
 
+        if not self.backend_runs:
+            raise InputError(f"{one_line(self.backend.get('reason'))}; this plan has no "
+                             "parallelize.py (its engine launch scripts need none)")
         return emit_parallelize(self, standalone=standalone)
 
     def apply(self, model, device_mesh=None):
@@ -231,8 +251,8 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         workload=wl, degrees=dict(deg.as_dict()),
         logical_mesh={"shape": list(shape), "dim_names": list(names)},
         spmd_dims=dims,
-        layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers)}
-                     for k in g.layer_kinds],
+        layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers),
+                      **attention_variant(k)} for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
         params=param_plan(g, strategy, kind_of_layer),  # KV heads: from the IR
         nodes=nodes, predicted=_with_runtime(predicted, g, deg, workload.phase),
@@ -285,7 +305,8 @@ def load_plan(path: str | Path) -> Plan:
                          f"{' and '.join(map(str, READABLE_SCHEMAS))})")
     validate_plan_dict(data, str(path))
     return Plan(**{k: data[k] for k in _KEYS}, serving=dict(data.get("serving") or {}),
-                launch=dict(data.get("launch") or {}))
+                launch=dict(data.get("launch") or {}),
+                backend=dict(data.get("backend") or {}))
 
 
 def validate_plan_dict(data: dict, where: str = "plan") -> None:

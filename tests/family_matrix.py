@@ -28,6 +28,12 @@ FAMILIES = [
     ("Llama-4-Scout", "llama4_scout"),
     ("GPT-OSS-20B", "gpt_oss_20b"),
     ("GPT-2", "gpt2"),
+    ("Qwen2-57B-A14B (MoE)", "qwen2_57b_a14b"),
+    ("ERNIE-4.5-21B-A3B", "ernie4_5_21b_a3b"),
+    ("Phi-4", "phi4"),
+    ("Granite-3.0-3B-A800M", "granite3_0_3b_a800m"),
+    ("DBRX", "dbrx"),
+    ("Kimi-K2", "kimi_k2"),
 ]
 
 def config_path(name: str) -> Path:
@@ -39,9 +45,12 @@ def tiny_config(path: str | Path):
     derives (:func:`shardc.frontends.tiny_config.tiny_config`)."""
     from transformers import AutoConfig
 
+    from shardc.frontends.hf_types import known_model_type
     from shardc.frontends.tiny_config import tiny_config as shrink
 
-    return shrink(AutoConfig.for_model(**json.loads(Path(path).read_text())), None)
+    data = {k: v for k, v in json.loads(Path(path).read_text()).items() if k != "auto_map"}
+    data, _ = known_model_type(data, str(path))  # Kimi-K2: built as DeepSeek-V3
+    return shrink(AutoConfig.for_model(**data), None)
 
 
 def tiny_dict(path: str | Path) -> dict:

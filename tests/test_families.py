@@ -65,19 +65,51 @@ def test_llama4_experts_are_not_traced_as_a_dense_ffn(tmp_path):
         _graph(_tiny_config_json("llama4_scout", tmp_path))
 
 
-@pytest.mark.parametrize("name, part", [
-    ("gpt_oss_20b", "gpt_oss: the DTensor backend cannot run this model"),
-    ("llama4_scout", "experts computed densely")])
-def test_compile_refuses_what_it_cannot_plan_or_run(tmp_path, capsys, name, part):
-    """One line, exit 2, nothing written: GPT-OSS (sinks, router and expert biases) cannot be
-    run by the backend; Llama-4 would be traced as a different model."""
-    cfg = _tiny_config_json(name, tmp_path)
+def test_compile_refuses_what_it_cannot_plan(tmp_path, capsys):
+    """One line, exit 2, nothing written: Llama-4 would be traced as a different model."""
+    cfg = _tiny_config_json("llama4_scout", tmp_path)
     out = tmp_path / "out"
     rc = main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
                "--context", "64", "--out", str(out), "--quiet"])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
-    assert rc == 2 and len(lines) == 1 and part in lines[0], lines
+    assert rc == 2 and len(lines) == 1 and "experts computed densely" in lines[0], lines
     assert not out.exists()
+
+
+def test_a_model_the_backend_cannot_run_is_planned_without_parallelize_py(tmp_path, capsys):
+    """GPT-OSS (sinks, router and expert biases): the DTensor backend cannot run it, which
+    the engines do not need -- plan.json, the reports and both launch scripts are written, no
+    parallelize.py (a stale one from an earlier compile is removed), exit 0, and plan.json
+    ``backend`` and the summary say why; ``Plan.code`` and ``shardc verify`` refuse it."""
+    from shardc.plan import load_plan
+
+    cfg = _tiny_config_json("gpt_oss_20b", tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "parallelize.py").write_text("# an earlier model's\n")
+    rc = main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
+               "--context", "64", "--out", str(out), "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "no parallelize.py: gpt_oss: the DTensor backend cannot run this model" in text
+    for name in ("plan.json", "graph.txt", "launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
+        assert (out / name).exists(), name
+    assert not (out / "parallelize.py").exists()
+    plan = load_plan(out / "plan.json")
+    assert plan.backend["runs"] is False and "GptOssExperts" in plan.backend["reason"]
+    with pytest.raises(InputError, match="has no parallelize.py"):
+        plan.code()
+    rc = main(["verify", str(cfg), "--plan", str(out / "plan.json"), "--world", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the DTensor backend cannot run this model" in err
+
+
+def test_a_runnable_model_records_that_its_backend_runs(tmp_path):
+    import shardc
+
+    plan = shardc.compile(_tiny_config_json("llama3_1_8b", tmp_path), mesh="2x1",
+                          search="megatron", budget=1)
+    assert plan.to_dict()["backend"] == {"runs": True, "reason": None}
 
 
 def test_phi_moe_longrope_traces_with_its_router_and_top_k(tmp_path):
@@ -143,3 +175,112 @@ def test_gpt2_plan_places_its_conv1d_weights_by_layer_kind(tmp_path):
     assert place["transformer.h.0.attn.c_proj.weight"] == "S(0)"
     assert place["transformer.h.0.mlp.c_fc.weight"] == "S(1)"
     assert place["transformer.h.0.mlp.c_proj.weight"] == "S(0)"
+
+
+def _cut(name: str, folder: Path, layers: int, **override) -> Path:
+    """The family's public config.json at full width with ``layers`` decoder layers."""
+    data = json.loads(config_path(name).read_text())
+    data.update(num_hidden_layers=layers, **override)
+    out = folder / name / "config.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_remote_code_model_type_is_built_from_the_class_its_architectures_name(tmp_path,
+                                                                               capsys):
+    """Kimi-K2 says model_type kimi_k2 (remote code, never run) and architectures
+    DeepseekV3ForCausalLM: read as DeepSeek-V3 (MLA, 384 experts, top-8), with a note; a type
+    whose architectures name no transformers class is one line, exit 2."""
+    from shardc.frontends.model_file import load_model_file
+
+    src = load_model_file(_cut("kimi_k2", tmp_path, 2))
+    assert len(src.notes) == 1 and "model_type 'kimi_k2' is not a transformers model type" \
+        in src.notes[0] and "DeepseekV3ForCausalLM (model_type 'deepseek_v3')" in src.notes[0]
+    from shardc.frontends.hf_types import known_model_type
+
+    data, _ = known_model_type(json.loads(config_path("kimi_k2").read_text()), "kimi")
+    assert data["model_type"] == "deepseek_v3" and data["n_routed_experts"] == 384
+    bad = _cut("kimi_k2", tmp_path / "bad", 2, architectures=["KimiForCausalLM"])
+    rc = main(["inspect", str(bad)])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
+    assert rc == 2 and len(lines) == 1, lines
+    assert "'kimi_k2' is not a transformers model type" in lines[0]
+    assert "never runs a config's remote code" in lines[0]
+
+
+HYBRID = Path(__file__).parent / "data" / "hybrid"
+
+
+@pytest.mark.parametrize("name, part", [
+    ("qwen3_next_80b_a3b", "qwen3_next: 36 of 48 layers (0, 1, 2, 4, 5, 6, ...) are linear "
+                           "attention / state-space layers (Qwen3NextGatedDeltaNet)"),
+    ("jamba_v0_1", "jamba: 28 of 32 layers (0, 1, 2, 3, 5, 6, ...) are linear attention / "
+                   "state-space layers (JambaMambaMixer)")])
+def test_every_command_refuses_layers_it_does_not_model_by_name(tmp_path, capsys, name, part):
+    """Gated DeltaNet and Mamba layers keep a constant recurrent state, not a KV cache:
+    until the cost model has their kinds, simulate, inspect and compile refuse them by name
+    (one line, exit 2) instead of pricing them as attention."""
+    cfg = HYBRID / name / "config.json"
+    out = tmp_path / "out"
+    for argv in (["inspect", str(cfg)],
+                 ["simulate", str(cfg), "--mesh", "8x1", "--degrees", "tp=8"],
+                 ["compile", str(cfg), "--mesh", "8x1", "--search", "megatron", "--budget",
+                  "1", "--out", str(out), "--quiet"]):
+        rc = main(argv)
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
+        assert rc == 2 and len(lines) == 1 and part in lines[0], (argv[0], lines)
+        assert "not supported" in lines[0]
+    assert not out.exists()
+
+
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("quant, flags, weights, line", [
+    (FP8_BLOCKS, [], "fp8", "weights fp8: the checkpoint's quantization_config (fp8 e4m3, "
+                            "128x128 blocks)"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, [], "fp8",
+     "weights fp8: the checkpoint's quantization_config (fp8 e4m3, per tensor)"),
+    (FP8_BLOCKS, ["--weights", "bf16"], "bf16",
+     "weights bf16: --weights (the checkpoint stores fp8 e4m3, 128x128 blocks)"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, [], "bf16",
+     "warning: the checkpoint's quantization_config (awq, 4-bit) is not modelled; weights "
+     "priced as bf16")])
+def test_quantization_config_sets_the_default_weight_format(tmp_path, capsys, quant, flags,
+                                                             weights, line):
+    """An FP8 checkpoint (blocks or per tensor) is planned in fp8 unless --weights says
+    otherwise; a scheme shardc does not model is priced as bf16 and says so; the summary and
+    plan.json model.checkpoint / workload.weights record it."""
+    cfg = _tiny_config_json("llama3_1_8b", tmp_path, quantization_config=quant)
+    out = tmp_path / "out"
+    rc = main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
+               "--context", "64", "--out", str(out), "--quiet", *flags])
+    text = capsys.readouterr().out
+    assert rc == 0 and line in text, text
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["workload"]["weights"] == weights
+    assert plan["model"]["checkpoint"]["weights"] == (None if quant["quant_method"] == "awq"
+                                                      else "fp8")
+
+
+def test_sliding_window_shows_in_plan_graph_and_parallelize(tmp_path):
+    """Gemma-2 alternates sliding-window and full layers: each kind's attention is in
+    plan.json layer_kinds, the graph.txt header and the parallelize.py comment of its kind."""
+    cfg = _tiny_config_json("gemma2_9b", tmp_path)
+    window = json.loads(cfg.read_text())["sliding_window"]
+    out = tmp_path / "out"
+    assert main(["compile", str(cfg), "--mesh", "2x1", "--search", "megatron", "--budget", "1",
+                 "--context", "64", "--out", str(out), "--quiet"]) == 0
+    kinds = json.loads((out / "plan.json").read_text())["layer_kinds"]
+    by_attention = {k.get("attention"): k for k in kinds}
+    assert set(by_attention) == {"sliding_window", "full"}
+    sliding = by_attention["sliding_window"]
+    assert sliding["window"] == window and sliding["layers"][0] == 0  # Gemma-2: even layers
+    text = (out / "graph.txt").read_text()
+    assert f"# layer kind {sliding['name']} x {sliding['count']} (layers 0" in text
+    assert f"sliding-window attention, window {window:,} tokens" in text
+    code = (out / "parallelize.py").read_text()
+    assert f"# {sliding['name']} x {sliding['count']}: sliding-window attention" in code
+    assert f"# {by_attention['full']['name']} x" in code and "full causal attention" in code

@@ -35,11 +35,9 @@ CASES = {
 
 def plan_payload(model_file: str, degrees: dict, choices: dict, batch: int = BATCH) -> dict:
     """The plan's torch-style ``parallelize.py`` source and its ``WALKS`` data."""
-    from shardc.backends.apply import strategy_from_names
-
     from shardc.backends.runtime_walks import plan_walks
     from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
     graph = load_graph(model_file, tiny=True)

@@ -60,11 +60,9 @@ def _decode_records(plan, walks, model_file, strategy, label):
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_decode_step_collectives_are_the_cost_models(name):
-    from shardc.backends.apply import strategy_from_names
-
     from shardc.backends.runtime_walks import plan_walks
     from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
     model_file, degrees, choices = GLOO_CASES[name]

@@ -77,6 +77,8 @@ CASES = {
         "qwen2", 8, use_sliding_window=True, sliding_window=4, max_window_layers=3)),
     "gemma3_sliding_pattern": lambda: _hf_source(_auto(
         "gemma3_text", 9, sliding_window=4, sliding_window_pattern=3)),
+    # a list that is not per layer (Llama-3.3's 3 end-of-turn ids) as long as the reduced depth
+    "llama_eos_token_id_list": lambda: _hf_source(_auto("llama", 6, eos_token_id=[1, 2, 3])),
 }
 
 

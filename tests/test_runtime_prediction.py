@@ -11,11 +11,9 @@ from shardc.cost.runtime_step import EAGER_OP_MS, GRAPH_STEP_MS, runtime_predict
 
 
 def _plan(model_file, degrees, choices):
-    from shardc.backends.apply import strategy_from_names
-
     from shardc.cost import CostModel
     from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
     graph = load_graph(model_file, tiny=True)

@@ -29,6 +29,7 @@ from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_field
 from shardc.backends.emit_runtime import TAIL_NAMES, runtime_data, runtime_tail
 from shardc.backends.pipeline_styles import stage_emit
 from shardc.backends.torch_styles import style_plan
+from shardc.ir.windows import variant_text
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
 # names the generated part may use, and where they come from
@@ -151,8 +152,13 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         body.append("    expert_mesh = submesh(world_mesh, ('ep', 'tp'))  # experts: ep x tp")
     if any(kp.entries or kp.experts is not None for kp in sp.kinds):
         body.append(f"    layers = decoder_layers(model, {_literal(sp.layers)})")
+    variants = {k["name"]: variant_text(k) for k in plan.layer_kinds}  # shown with a window
+    if not any(k.get("attention") == "sliding_window" for k in plan.layer_kinds):
+        variants = {}
     for kp in sp.kinds:
-        body.append(_comment(f"{kp.kind} x {len(kp.layers)}"))
+        variant = variants.get(kp.kind)
+        body.append(_comment(f"{kp.kind} x {len(kp.layers)}" + (f": {variant}" if variant
+                                                                 else "")))
         body += [_comment(f"  {n}") for n in kp.notes]
         if not kp.entries and kp.experts is None:
             body.append(_comment("  nothing to shard over tp: weights stay whole"))

@@ -16,7 +16,11 @@
 * attention features the layout-aware forward does not implement are refused (chunked
   attention, layers without rotary embeddings).
 
-:func:`check_model_file` raises :class:`InputError` (exit 2) naming the family and the part.
+:func:`backend_verdict` answers for ``shardc compile``: the plan, its reports and the engine
+launch scripts are written whatever the answer (neither engine needs this backend), and
+plan.json ``backend {runs, reason}`` records it; a model the backend cannot run gets no
+``parallelize.py``. :func:`check_module` raises :class:`InputError` (exit 2) naming the family
+and the part, for what needs the backend (``shardc verify``, ``Plan.apply``).
 """
 
 from __future__ import annotations
@@ -134,21 +138,87 @@ def family_name(model: nn.Module) -> str:
     return str(getattr(config, "model_type", "") or type(model).__name__)
 
 
+_NORM_ARITHMETIC = ("mul", "add", "sub", "div", "addcmul")  # a decomposed norm's scale / shift
+
+
+def _base_op(target: str) -> str:
+    parts = str(target).split(".")
+    return (parts[1] if len(parts) >= 3 else parts[-1]).lower()
+
+
+def unplaced_by_styles(graph) -> str | None:
+    """Why the torch-style runtime (:mod:`shardc.backends.torch_styles`, which runs the
+    model's own forward with its parameters placed per plan.json ``params``) would compute a
+    different model (None if it would not), read from the graph: a parameter of the attention
+    core, one read by a node no fused op claims (other than a per-token scalar gate) or a
+    1-D one read other than as a norm's scale or shift (an attention sink concatenated to
+    the scores: one value per head, which a heads split would have to cut) would stay whole
+    where the rank holds a share of the heads or features."""
+    for n in graph.nodes:
+        if not n.params or n.attrs.get("scalar_gate") or (n.fused_op == "norm" and (
+                n.op == "norm" or _base_op(n.target) in _NORM_ARITHMETIC)):
+            continue
+        if n.fused_op == "attn_core":
+            return (f"attention-core parameter {n.params[0].fqn} (per head) that the "
+                    "torch-style runtime does not split")
+        if n.fused_op in (None, "norm"):
+            return (f"parameter {n.params[0].fqn} read by {n.op} node {n.name} "
+                    f"({_base_op(n.target)}), which no op the torch-style runtime places "
+                    "claims")
+    return None
+
+
+def torch_style_verdict(verdict: dict, plans, graph) -> dict:
+    """plan.json ``backend`` once the plans are known: a model the first runtime's adapter
+    refuses (``verdict`` runs False) runs when the torch-style runtime covers every plan of
+    ``plans`` (:func:`~shardc.backends.torch_styles.style_plan`) and places every parameter
+    (:func:`unplaced_by_styles`): the emitted ``parallelize.py`` is then the torch-style one.
+    Otherwise ``verdict``, its reason extended with the torch-style path's."""
+    if verdict.get("runs", True):
+        return verdict
+    from shardc.backends.torch_styles import NotCovered, style_plan
+
+    problem = unplaced_by_styles(graph)
+    if problem is None:
+        for plan in plans:
+            try:
+                style_plan(plan)
+            except NotCovered as e:
+                problem = f"the torch-style runtime does not cover the plan: {e}"
+                break
+    if problem is None:
+        return {"runs": True, "reason": None}
+    return {"runs": False, "reason": f"{verdict['reason']}; {problem}"}
+
+
+def refusal(family: str, problem: str) -> str:
+    """The one line that says why the DTensor backend cannot run a model of ``family``."""
+    return f"{family}: the DTensor backend cannot run this model ({problem})"
+
+
+def verdict_of_module(model) -> dict:
+    """plan.json ``backend`` of an ``nn.Module``: ``{"runs": True, "reason": None}`` or
+    ``{"runs": False, "reason": <family and unsupported part>}``."""
+    problem = backend_problem(model)
+    return {"runs": problem is None,
+            "reason": refusal(family_name(model), problem) if problem else None}
+
+
 def check_module(model: nn.Module, source: str = "") -> None:
     """:class:`InputError` (one line: family and unsupported part) if the backend cannot run it."""
     problem = backend_problem(model)
     if problem:
         where = f"{source}: " if source else ""
-        raise InputError(f"{where}{family_name(model)}: the DTensor backend cannot run this "
-                         f"model ({problem}); no parallelize.py would work, so nothing is written")
+        raise InputError(f"{where}{refusal(family_name(model), problem)}; no parallelize.py "
+                         "would work")
 
 
-def check_model_file(path: str) -> None:
-    """Build the model of ``path`` (``tiny_model()`` when the file has one: same structure,
-    cheaper; otherwise ``build_model()``, on meta for full-size models) and :func:`check_module`.
-    The verdict is cached beside the traced graph (keyed by the model file, the source files
-    it imported and the backend's code), so a warm compile neither builds the model again
-    nor imports torch for it."""
+def backend_verdict(path: str) -> dict:
+    """plan.json ``backend`` (see :func:`verdict_of_module`) of the model file ``path``:
+    built as ``tiny_model()`` when the file has one (same structure, cheaper; otherwise
+    ``build_model()``, on meta for full-size models). The verdict is cached beside the traced
+    graph (keyed by the model file, the source files it imported and the backend's code), so
+    a warm compile neither builds the model again nor imports torch for it."""
     import json
 
     from shardc.frontends import graph_cache
@@ -165,11 +235,16 @@ def check_model_file(path: str) -> None:
         with recording_imports() as imported:
             src = load_model_file(path)
             model, _ = src.build(tiny=src.tiny_model is not None)
-            verdict = {"problem": backend_problem(model), "family": family_name(model),
-                       "source": src.source}
+            verdict = {"problem": backend_problem(model), "family": family_name(model)}
         if key:
             graph_cache.store_text(key, json.dumps(verdict), deps=imported)
-    if verdict["problem"]:
-        raise InputError(f"{path}: {verdict['family']}: the DTensor backend cannot run this "
-                         f"model ({verdict['problem']}); no parallelize.py would work, so "
-                         "nothing is written")
+    problem = verdict["problem"]
+    return {"runs": problem is None,
+            "reason": refusal(verdict["family"], problem) if problem else None}
+
+
+def check_model_file(path: str) -> None:
+    """:class:`InputError` (exit 2) when the backend cannot run the model of ``path``."""
+    verdict = backend_verdict(path)
+    if not verdict["runs"]:
+        raise InputError(f"{path}: {verdict['reason']}; no parallelize.py would work")

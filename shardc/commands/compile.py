@@ -53,6 +53,7 @@ def add_workload_arguments(p) -> None:
     p.add_argument("--ttft-slo", type=float_arg(0.0, MAX_MS, unit="ms"), default=2000.0,
                    help="time to first token SLO (ms)")
     add_quantisation_arguments(p)
+    p.set_defaults(weights=None)  # None: the checkpoint's format (quantization_config), else bf16
     add_kernel_arguments(p)
     add_routing_arguments(p)
 
@@ -78,7 +79,9 @@ def add_routing_arguments(p) -> None:
 def add_quantisation_arguments(p, default: str | None = "bf16") -> None:
     """``--weights`` / ``--kv-cache`` (:data:`shardc.ir.strategy.QUANT_FORMATS`)."""
     p.add_argument("--weights", default=default, choices=list(QUANT_FORMATS),
-                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak")
+                   help="weight format: fp8 = 1 byte per weight, GEMMs at the FP8 peak "
+                        "(compile, simulate: default the format of a config.json's FP8 "
+                        "quantization_config, else bf16)")
     p.add_argument("--kv-cache", default=default, choices=list(QUANT_FORMATS),
                    help="KV-cache format: fp8 = 1 byte per cached element")
 
@@ -137,7 +140,7 @@ def workload_from_args(args) -> Workload:
     """The :class:`Workload` of the parsed flags (``args.batch`` None = auto)."""
     return Workload(phase=args.phase, batch=args.batch, context=args.context, prompt=args.prompt,
                     tpot_slo_ms=args.tpot_slo, ttft_slo_ms=args.ttft_slo,
-                    weights=args.weights, kv_cache=args.kv_cache, isl=args.isl,
+                    weights=args.weights or "bf16", kv_cache=args.kv_cache, isl=args.isl,
                     osl=args.osl, mode=args.mode, routing=args.routing,
                     redundant_experts=args.redundant_experts, fp8_scaling=args.fp8_scaling)
 
@@ -214,6 +217,11 @@ def summary_table(plan) -> str:
         rows.insert(3, ["parallelize.py step (ms)",  # the emitted runtime's, > 10% apart
                         f"{number_or_dash(rt['step_ms'], '.2f')} (host overhead "
                         f"{number_or_dash(rt.get('overhead_ms'), '.2f')})"])
+    checkpoint = plan.model.get("checkpoint")
+    if checkpoint:
+        from shardc.ir.checkpoint import checkpoint_line
+
+        rows.append(["weights", checkpoint_line(checkpoint, plan.workload.get("weights"))])
     if "stronger" in ratios:
         rows.append([f"gain vs stronger baseline ({BASELINE_NAMES[ratios['stronger']]})",
                      ratios[ratios["stronger"]]])
@@ -248,7 +256,13 @@ def baseline_ratios(plan) -> dict[str, str]:
 
 def run(args) -> int:
     import shardc.api as api
-    from shardc.commands.reports import graph_dot, graph_table, workload_note, write_outputs
+    from shardc.commands.reports import (
+        graph_dot,
+        graph_table,
+        plan_note,
+        print_backend_refusal,
+        write_outputs,
+    )
 
     model_path = Path(args.model)
     if args.standalone and model_path.suffix.lower() == ".onnx":
@@ -262,7 +276,7 @@ def run(args) -> int:
             search=args.search, budget=args.budget, seed=args.seed, progress=progress,
             degrees=fixed, kernels=args.kernels, engine=args.engine,
             allow_cross_node_tp=args.allow_cross_node_tp, runtime=args.runtime,
-            hf_id=args.hf_id)
+            hf_id=args.hf_id, weights_from_checkpoint=args.weights is None)
     finally:
         if bar is not None:
             bar.close()
@@ -274,12 +288,12 @@ def run(args) -> int:
     from_onnx = str(plan.model.get("source", "")).endswith(".onnx")
     files = {
         "plan.json": plan.to_dict(),
-        "graph.txt": graph_table(plan.nodes, workload_note(plan.workload)),
-        "graph.dot": graph_dot(plan.model["name"], plan.nodes, workload_note(plan.workload)),
+        "graph.txt": graph_table(plan.nodes, plan_note(plan)),
+        "graph.dot": graph_dot(plan.model["name"], plan.nodes, plan_note(plan)),
         "trace.json": outcome.cost_model.chrome_trace(outcome.strategy),
         "search.png": lambda p: _plot(p, outcome, plan),
     }
-    if not from_onnx:  # DTensor code needs the torch module; an ONNX file has none
+    if not from_onnx and plan.backend_runs:  # DTensor code needs the torch module
         files["parallelize.py"] = plan.code(standalone=args.standalone)
     files.update(launch_files(plan))
     written = write_outputs(out, files)
@@ -287,6 +301,7 @@ def run(args) -> int:
     for line in launch_summary_lines(plan):
         print(line)
     print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
+    print_backend_refusal(out, plan, written)
     if from_onnx:
         from shardc.frontends.onnx_frontend import ONNX_PARALLELIZE_NOTE
 

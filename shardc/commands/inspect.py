@@ -190,11 +190,11 @@ def run(args) -> int:
     from shardc.frontends import load_graph
 
     if _is_plan_file(args.model):  # shapes at the plan's workload (plan.json nodes)
-        from shardc.commands.reports import workload_note
+        from shardc.commands.reports import plan_note
         from shardc.plan import load_plan
 
         graph = graph_from_plan(args.model)
-        note = workload_note(load_plan(args.model).workload)
+        note = plan_note(load_plan(args.model))
     else:  # shapes of the traced example, token dims tagged
         graph = load_graph(args.model, tiny=args.tiny)
         tags = token_dims(graph)

@@ -6,6 +6,8 @@ the previous outputs whole) is :func:`shardc.backends.atomic.write_outputs`, re-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardc.backends.atomic import write_outputs  # re-exported: the writer compile uses
 
 __all__ = ["graph_dot", "graph_table", "write_outputs"]
@@ -85,6 +87,31 @@ def workload_note(workload: dict) -> str:
             "(b) batch, (s) tokens per sequence, (t) flattened tokens, (kv) key positions")
 
 
+def plan_note(plan) -> str:
+    """The ``#`` header of graph.txt / graph.dot: the workload the shapes are at and, when a
+    layer kind has a sliding window, every kind's attention variant."""
+    kinds = layer_kinds_note(plan.layer_kinds)
+    return workload_note(plan.workload) + (f"\n{kinds}" if kinds else "")
+
+
+def layer_kinds_note(layer_kinds: list[dict]) -> str:
+    """One line per layer kind of plan.json ``layer_kinds`` with its attention variant
+    (sliding window, full) -- the per-layer pattern graph.txt / graph.dot show in their
+    header; "" when no kind has one."""
+    from shardc.ir.windows import variant_text
+    from shardc.text import one_line
+
+    lines = []
+    for k in layer_kinds:
+        text = variant_text(k)
+        if text:
+            layers = ", ".join(str(i) for i in k["layers"][:8]) + \
+                (", ..." if len(k["layers"]) > 8 else "")
+            lines.append(f"layer kind {one_line(k['name'])} x {k['count']} (layers {layers}): "
+                         f"{text}")
+    return "\n".join(lines) if any("sliding" in ln for ln in lines) else ""
+
+
 def dot_text(text: object) -> str:
     """``text`` as the inside of a DOT quoted string, whatever it contains: quotes,
     backslashes, ``&`` and control characters become HTML entities (which Graphviz decodes
@@ -130,3 +157,18 @@ def graph_dot(name: str, nodes: list[dict], note: str = "") -> str:
                 lines.append(f"  {ids[i]} -> {ids[n['name']]}{attrs};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def print_backend_refusal(out: Path, plan, written: list) -> None:
+    """When the DTensor backend cannot run the plan's model: say so (plan.json ``backend``)
+    and remove a ``parallelize*.py`` an earlier compile left in ``out`` (it would be read
+    as this plan's)."""
+    if plan.backend_runs:
+        return
+    from shardc.text import one_line
+
+    for stale in sorted(out.glob("parallelize*.py")):
+        if stale not in written:
+            stale.unlink()
+    print(f"no parallelize.py: {one_line(plan.backend.get('reason'))}; plan.json and the "
+          "engine launch scripts do not need it")

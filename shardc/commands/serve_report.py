@@ -129,20 +129,26 @@ def _plot_search(path, plan, outcome) -> str:
 
 
 def write_serve_outputs(out: Path, plan, outcome, args) -> int:
-    from shardc.commands.reports import graph_dot, graph_table, workload_note, write_outputs
+    from shardc.commands.reports import (
+        graph_dot,
+        graph_table,
+        plan_note,
+        print_backend_refusal,
+        write_outputs,
+    )
 
     role = plan.serving["pools"][-1]["role"]
     pool = outcome.pools[role]
     strategy = outcome.choice.pools[-1][2]
     files = {
         "plan.json": plan.to_dict(),
-        "graph.txt": graph_table(plan.nodes, workload_note(plan.workload)),
-        "graph.dot": graph_dot(plan.model["name"], plan.nodes, workload_note(plan.workload)),
+        "graph.txt": graph_table(plan.nodes, plan_note(plan)),
+        "graph.dot": graph_dot(plan.model["name"], plan.nodes, plan_note(plan)),
         "trace.json": pool.cost_model.chrome_trace(strategy),
         "search.png": lambda p: _plot_search(p, plan, outcome),
         "pareto.png": lambda p: plot_pareto(p, plan),
     }
-    if not str(plan.model.get("source", "")).endswith(".onnx"):
+    if not str(plan.model.get("source", "")).endswith(".onnx") and plan.backend_runs:
         if plan.serving["mode"] == "agg":
             files["parallelize.py"] = plan.code(standalone=args.standalone)
         else:
@@ -156,4 +162,5 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     for line in launch_summary_lines(plan):
         print(line)
     print(f"wrote {', '.join(p.relative_to(out).as_posix() for p in written)} to {out}/")
+    print_backend_refusal(out, plan, written)
     return 0

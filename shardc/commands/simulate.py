@@ -136,6 +136,9 @@ def run(args) -> int:
     hw = load_hardware(args.hardware)
     deg = _degrees(args.degrees, mesh)
     graph = load_model_graph(args.model)
+    from shardc.ir.checkpoint import checkpoint_line, checkpoint_weights
+
+    workload, checkpoint = checkpoint_weights(graph.config, workload, args.weights is None)
     short = gpus_short_message(graph, workload, hw, mesh.gpus)
     if short:
         raise InfeasibleError(short)
@@ -183,10 +186,13 @@ def run(args) -> int:
     ex = cm.simulate(strategy)
     print(f"{graph.name} on {mesh} x {hw.name}, {workload.phase}, degrees "
           + " ".join(f"{k}={v}" for k, v in deg.as_dict().items()) + f", batch {batch}")
+    if checkpoint:
+        print(checkpoint_line(checkpoint, workload.weights))
     print(report(ex))
     if args.json:
         doc = {"model": {"name": graph.name, "params": graph.num_params or None,
-                         "layers": graph.num_layers, "source": graph.source},
+                         "layers": graph.num_layers, "source": graph.source,
+                         **({"checkpoint": checkpoint} if checkpoint else {})},
                "mesh": {"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes,
                         "hardware": hw.name},
                "workload": {"phase": workload.phase, "batch": int(batch),

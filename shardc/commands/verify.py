@@ -191,8 +191,16 @@ def tiny_plan(plan, graph, strategy, layer_kinds):
 
 
 def run(args) -> int:
-    from shardc.backends.support import check_module
+    from dataclasses import replace
+
+    from shardc.backends.support import (
+        backend_problem,
+        family_name,
+        refusal,
+        torch_style_verdict,
+    )
     from shardc.backends.verify import Case, run_cases
+    from shardc.errors import InputError
     from shardc.frontends import graph_from_module
     from shardc.frontends.model_file import load_model_file
     from shardc.plan import load_plan
@@ -207,17 +215,24 @@ def run(args) -> int:
         params = sum(p.numel() for p in model.parameters())
         print(f"tiny variant of {args.model}: {type(model).__name__} with the original layers "
               f"{source}, {params / 1e6:.2f}M parameters (float32, CPU)")
-    check_module(model, args.model)  # a model no parallelize.py can run: exit 2, as compile
+    problem = backend_problem(model)
     graph = graph_from_module(model, inputs, name=src.name)
     kinds = _tiny_layer_kinds(graph, model, plan)
     strategy, notes = fit_degrees(graph, plan.strategy(), kinds, args.world)
     deg = strategy.degrees
+    scaled = replace(tiny_plan(plan, graph, strategy, kinds), backend={})
+    if problem:  # the first runtime cannot: the torch-style one must (as compile decides)
+        verdict = torch_style_verdict({"runs": False,
+                                       "reason": refusal(family_name(model), problem)},
+                                      [scaled], graph)
+        if not verdict["runs"]:  # a model no parallelize.py can run: exit 2
+            raise InputError(f"{args.model}: {verdict['reason']}; no parallelize.py would work")
     if notes:
         print(f"scaled the plan's degrees to fit {args.world} ranks and the tiny model: "
               + ", ".join(notes) + " (per-op choices kept)")
     # the scaled plan's own parallelize.py, the file Plan.apply runs (same choices)
     case = Case("plan", deg.as_dict(), {}, kinds,
-                code_text=tiny_plan(plan, graph, strategy, kinds).code())
+                code_text=scaled.code())
     # a config.json's tiny model depends on the degree caps: the workers build the same one
     extra = {"tiny_degrees": caps} if args.model.endswith(".json") else {}
     res = run_cases(args.model, [case], deg.world, seq=args.seq, **extra)[0]

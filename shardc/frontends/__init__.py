@@ -24,9 +24,11 @@ from shardc.ir.graph import Graph
 def graph_from_module(model, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
     """Trace an ``nn.Module`` (torch.export) and run the passes."""
     from shardc.frontends.quiet import library_output_captured
+    from shardc.frontends.stateful_layers import refuse_stateful_layers
     from shardc.frontends.torch_export import trace_module
     from shardc.passes import run_passes
 
+    refuse_stateful_layers(model, source or name or type(model).__name__)
     with library_output_captured():
         traced = trace_module(model, tuple(example_inputs), name=name, source=source)
     return run_passes(traced)
@@ -56,6 +58,7 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
         cached = graph_cache.load_entry(key)
         if cached is not None:
             cached.source = str(p)  # the same file reached by another path string
+            _print_notes(cached)
             return cached
     from shardc.frontends.imports import recording_imports
     from shardc.frontends.model_file import load_model_file  # imports torch: after the cache
@@ -65,12 +68,28 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
         with library_output_captured():  # HF config checks and model building log warnings
             src = load_model_file(p)
             model, inputs = src.build(tiny=tiny)
+        from shardc.frontends.stateful_layers import refuse_stateful_layers
+
+        refuse_stateful_layers(model, src.source)  # before a trace would price them wrongly
         graph = None if tiny else _reduced_depth_graph(src, model, inputs)
         if graph is None:
             graph = graph_from_module(model, inputs, name=src.name, source=src.source)
+    if src.notes:
+        graph.config["frontend_notes"] = list(src.notes)
+    if src.checkpoint:
+        graph.config["checkpoint"] = dict(src.checkpoint)
+    _print_notes(graph)
     if key is not None:
         graph_cache.store_entry(key, graph, deps=imported)
     return graph
+
+
+def _print_notes(graph: Graph) -> None:
+    """The frontend's notes on how it read the model (e.g. a remote-code model type built
+    from the transformers class its config names), one ``shardc: note:`` line each, cold or
+    cached."""
+    for note in graph.config.get("frontend_notes") or ():
+        sys.stderr.write(f"shardc: note: {graph.source}: {note}\n")
 
 
 def _reduced_depth_graph(src, model, inputs) -> Graph | None:

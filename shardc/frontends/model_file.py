@@ -20,7 +20,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -44,6 +44,8 @@ class ModelSource:
     example_inputs: Callable[[], tuple]
     tiny_model: Callable[[], torch.nn.Module] | None = None
     tiny_inputs: Callable[[], tuple] | None = None
+    notes: list[str] = field(default_factory=list)  # one line each: how the model was read
+    checkpoint: dict | None = None  # a config.json's quantization_config (hf_types)
 
     def build(self, tiny: bool = False) -> tuple[torch.nn.Module, tuple]:
         """Build (model, example inputs); ``tiny`` uses ``tiny_model`` when the file has one.
@@ -161,6 +163,10 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
     # a config.json is data: keys that point transformers at custom code (auto_map ->
     # module.Class, trust_remote_code) are dropped, so nothing is imported or run for it
     data = {k: v for k, v in data.items() if k not in _CODE_KEYS}
+    from shardc.frontends.hf_types import checkpoint_format, known_model_type
+
+    data, note = known_model_type(data, str(p))
+    checkpoint = checkpoint_format(data)
     try:
         config = AutoConfig.for_model(**data)
     except Exception as e:
@@ -190,7 +196,8 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
     name = data.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
     return ModelSource(name=Path(str(name)).name or p.stem, source=str(p),
                        build_model=build_model, example_inputs=example_inputs,
-                       tiny_model=tiny_model, tiny_inputs=tiny_inputs)
+                       tiny_model=tiny_model, tiny_inputs=tiny_inputs,
+                       notes=[note] if note else [], checkpoint=checkpoint)
 
 
 def _token_ids(config) -> tuple:

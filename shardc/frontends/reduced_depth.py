@@ -102,8 +102,11 @@ def _plain(value) -> bool:
     return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
 
 
-def layer_signatures(model: torch.nn.Module) -> list[tuple]:
+def layer_signatures(model: torch.nn.Module, list_keys: list[str] | None = None) -> list[tuple]:
     """Per decoder layer ``0 .. L-1``, the structural signature of the module docstring.
+    ``list_keys``: the config's per-layer lists (default: every list as long as the model is
+    deep); a reduced model is read with the full model's, so a list that is not per layer
+    (a list-valued ``eos_token_id`` of 3 ids) never joins a 3-layer model's signatures.
     Raises :class:`NotProvable` if the layer indices are not ``0 .. L-1``."""
     per: dict[int, list] = defaultdict(list)
     for name, mod in model.named_modules():
@@ -121,10 +124,19 @@ def layer_signatures(model: torch.nn.Module) -> list[tuple]:
     if sorted(per) != list(range(len(per))):
         raise NotProvable(f"layer indices {sorted(per)[:8]}... are not 0..L-1")
     config = getattr(model, "config", None)
-    lists = {k: v for k, v in (vars(config).items() if config is not None else ())
-             if isinstance(v, (list, tuple)) and len(v) == len(per) and not k.startswith("_")}
+    keys = per_layer_keys(model, len(per)) if list_keys is None else list_keys
+    lists = {k: getattr(config, k, None) for k in keys}
+    if any(not isinstance(v, (list, tuple)) or len(v) != len(per) for v in lists.values()):
+        raise NotProvable(f"config lists {sorted(keys)} are not one entry per layer")
     return [tuple(per[j]) + tuple((k, repr(v[j])) for k, v in sorted(lists.items()))
             for j in range(len(per))]
+
+
+def per_layer_keys(model: torch.nn.Module, depth: int) -> list[str]:
+    """Config fields of ``model`` that are lists with one entry per decoder layer."""
+    config = getattr(model, "config", None)
+    return sorted(k for k, v in (vars(config).items() if config is not None else ())
+                  if isinstance(v, (list, tuple)) and len(v) == depth and not k.startswith("_"))
 
 
 def kinds_of(signatures: list[tuple]) -> list[int]:
@@ -382,6 +394,7 @@ def trace_reduced(source, full_model: torch.nn.Module, inputs: tuple) -> Graph |
     from shardc.frontends.model_file import _call_user
 
     signatures = layer_signatures(full_model)
+    list_keys = per_layer_keys(full_model, len(signatures))
     kinds = kinds_of(signatures)
     depth = choose_depth(kinds)
     if depth is None:
@@ -392,7 +405,7 @@ def trace_reduced(source, full_model: torch.nn.Module, inputs: tuple) -> Graph |
     try:
         reduced = _call_user(build_model, source.source, f"building {depth} layers")
         if (not isinstance(reduced, torch.nn.Module)
-                or layer_signatures(reduced) != signatures[:depth]):
+                or layer_signatures(reduced, list_keys) != signatures[:depth]):
             raise NotProvable(f"build_model(num_layers={depth}) does not build the first "
                               f"{depth} layers of build_model()")
         graph, ep = trace_program(reduced, inputs, name=source.name, source=source.source)

@@ -155,8 +155,13 @@ def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.Expo
         raise
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = ""
+        if type(e).__name__ == "GuardOnDataDependentSymNode":
+            why = ("; the forward branches on the values of its data (e.g. an expert loop "
+                   "over the experts the router hit), which no trace can represent -- not "
+                   "supported")
         raise InputError(f"torch.export failed for {type(model).__name__}: "
-                         f"{type(e).__name__}: {msg}") from e
+                         f"{type(e).__name__}: {msg}{why}") from e
     finally:
         torch.fx.config.do_not_emit_stack_traces = saved
 

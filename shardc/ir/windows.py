@@ -34,3 +34,25 @@ def causal_pairs(prompt, window: int | None):
         return prompt * (prompt + 1) / 2
     m = np.minimum(prompt, window)
     return m * (m + 1) / 2 + (prompt - m) * window
+
+
+def attention_variant(kind) -> dict:
+    """plan.json ``layer_kinds[]`` fields saying how a layer kind attends
+    (:class:`shardc.ir.graph.LayerKind`): ``{"attention": "sliding_window", "window": W}``
+    (tokens), ``{"attention": "full"}`` (full causal), ``{}`` for a kind without an
+    attention core."""
+    core = kind.op("attn_core")
+    if core is None:
+        return {}
+    window = op_window(core.attrs)
+    return {"attention": "full"} if window is None else \
+        {"attention": "sliding_window", "window": int(window)}
+
+
+def variant_text(row: dict) -> str:
+    """A ``layer_kinds[]`` row's attention in words ("" when it has none)."""
+    if row.get("attention") == "sliding_window":
+        return f"sliding-window attention, window {int(row['window']):,} tokens"
+    if row.get("attention") == "full":
+        return "full causal attention"
+    return ""

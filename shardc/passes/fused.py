@@ -20,7 +20,9 @@ Per decoder layer (nodes with the same ``Node.layer``):
   :func:`recognise_batched_experts`;
 * remaining linears: ``ffn1`` / ``ffn2`` in a layer without experts, ``shared_ffn1`` /
   ``shared_ffn2`` in a layer with experts; ``*1`` if the output reaches another remaining
-  linear, else ``*2``;
+  linear, else ``*2``; in a layer with experts, a linear with one output feature is a
+  per-token scalar gate (Qwen2-MoE's sigmoid gate on the shared expert), no fused op
+  (``attrs["scalar_gate"]``: its weight stays whole on every rank, like a norm's);
 * ``norm``: ``norm`` nodes and remaining nodes with only 1-D parameters (decomposed RMSNorm).
 
 Outside the layers: ``embedding`` nodes -> ``embedding``; linears -> ``lm_head``.
@@ -179,6 +181,10 @@ def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
     for n in grouped:
         mark(n, "expert_ffn1" if flow.reach(n) & grouped_names else "expert_ffn2")
     rest = [n for n in linears if n.name not in done]
+    for n in rest:  # a per-token scalar gate (Qwen2-MoE's shared_expert_gate): not an FFN half
+        if grouped and _out_features(n) == 1:
+            n.attrs["scalar_gate"] = True
+    rest = [n for n in rest if not n.attrs.get("scalar_gate")]
     rest_names = {n.name for n in rest}
     prefix = "shared_ffn" if grouped else "ffn"
     for n in rest:

@@ -20,7 +20,8 @@ Each stage runs the model's own forward (masks, rotary tables, Gemma-2's final l
 softcapping): the first stage from ``input_ids``, a later one from the hidden states it
 received, passed as ``inputs_embeds`` (HF decoders feed them to the first layer as they are;
 an embedding scale such as Gemma-2's lives in the embedding module, on the first stage; a
-learned position table added by the first stage adds zeros later) or, for a plain model,
+learned position table added by the first stage adds zeros later; Granite's, applied by
+the model's forward to ``inputs_embeds``, is set to 1 on later stages) or, for a plain model,
 in place of the token ids (its embedding a pass-through there); a stage before the last
 returns the hidden states after its last layer.
 """
@@ -96,6 +97,11 @@ def keep_stage(model: nn.Module, layers, first: bool, last: bool,
         for path in positions:
             table = model.get_submodule(path).weight
             _replace(model, path, ZeroFeatures(table.shape[-1], table.dtype))
+        inner = getattr(model, "model", None)
+        if isinstance(getattr(inner, "embedding_multiplier", None), (int, float)):
+            # Granite scales inputs_embeds in the model's forward, not in its embedding
+            # module: a later stage's received hidden states are already scaled
+            inner.embedding_multiplier = 1.0
     if not last:
         for path in final:
             _replace(model, path, nn.Identity())

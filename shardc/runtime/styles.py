@@ -308,6 +308,9 @@ class PrepareHiddenStates(ParallelStyle):
 # integer attributes an attention module's own forward sizes its head views from when its
 # q|k|v come packed in one projection (GPT-MoE's ``num_heads``, GPT-2's ``split_size``)
 HEAD_SIZES = ("num_heads", "num_key_value_heads", "split_size")
+# head counts an attention forward may read from its config instead (Phi-3 slices its
+# packed q|k|v at config.num_attention_heads * head_dim)
+CONFIG_HEAD_SIZES = ("num_attention_heads", "num_key_value_heads")
 
 
 class FullWidthNormParallel(ParallelStyle):
@@ -333,11 +336,20 @@ class FullWidthNormParallel(ParallelStyle):
         return module
 
 
+def _shallow_copy(obj):
+    """A new object of ``obj``'s class sharing its attribute values (``copy.copy`` without
+    the import: the inlined runtime's imports are torch's)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
 class HeadParallelAttention(PrepareHiddenStates):
     """A heads split of an attention module whose packed q|k|v projection is column
     parallel (:class:`WeightColwiseParallel` with ``parts``): the module's head-count
-    attributes (:data:`HEAD_SIZES`, those it has) become this rank's share, so its own
-    forward views the local [q_r | k_r | v_r] as its heads. Given layouts, it also moves
+    attributes (:data:`HEAD_SIZES`, those it has) and those of its config
+    (:data:`CONFIG_HEAD_SIZES`, on a copy the module alone holds) become this rank's share,
+    so its own forward views the local [q_r | k_r | v_r] as its heads. Given layouts, it also moves
     its input as :class:`PrepareHiddenStates` (one style per module)."""
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None):
@@ -353,6 +365,17 @@ class HeadParallelAttention(PrepareHiddenStates):
                 if value % n:
                     raise ValueError(f"{name}={value} does not split over tp={n}")
                 setattr(module, name, value // n)
+        config = getattr(module, "config", None)
+        if config is not None and any(isinstance(getattr(config, k, None), int)
+                                      for k in CONFIG_HEAD_SIZES):
+            config = _shallow_copy(config)  # this module's own: the model's stays whole
+            for name in CONFIG_HEAD_SIZES:
+                value = getattr(config, name, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    if value % n:
+                        raise ValueError(f"config.{name}={value} does not split over tp={n}")
+                    setattr(config, name, value // n)
+            module.config = config
         return module
 
 
