@@ -313,7 +313,10 @@ def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str,
     }
     if out.exact is not None and out.exact_complete:
         search_info["exact_tok_s_per_gpu"] = float(out.exact.tok_s_per_gpu)
-        search_info["optimum_fraction"] = float(choice.tok_s_per_gpu / out.exact.tok_s_per_gpu)
+        # the searcher's (and baselines') own best over the ceiling; the plan returned is the
+        # best row of the whole run, exact sweep included
+        agent = out.agent.tok_s_per_gpu if out.agent is not None else 0.0
+        search_info["optimum_fraction"] = float(agent / out.exact.tok_s_per_gpu)
     if fixed:
         search_info["fixed_degrees"] = {k: int(v) for k, v in fixed.items()}
     common = dict(mesh=mesh, hardware=hw.name, baseline=baseline, search=search_info,

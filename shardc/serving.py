@@ -86,8 +86,13 @@ class PoolObjective(CostModelObjective):
         return ok
 
     def table(self, tags=None) -> dict:
-        """The recorded rows (of the searches in ``tags``) as arrays."""
+        """The recorded rows (of the searches in ``tags``) as arrays; when ``tags`` is a list
+        or tuple, its searches' rows come in its order (ties go to the earlier search)."""
         rows = [r for r in self.rows if len(r["value"])]
+        if isinstance(tags, (list, tuple)):
+            rank = {t: i for i, t in enumerate(tags)}
+            rows = sorted((r for r in rows if r["tag"][0] in rank),
+                          key=lambda r: rank[r["tag"][0]])
         if not rows:
             return {}
         out = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
@@ -152,6 +157,7 @@ class ServeOutcome:
     slo_moves: list
     chosen_from: str = "rl"
     own: ServeChoice | None = None  # the searcher's own best (without the Megatron sweep's)
+    agent: ServeChoice | None = None  # the searcher's and the baselines' best (no exact rows)
     pool_plans: dict = field(default_factory=dict)  # role -> Plan (filled by shardc.api)
 
 
@@ -347,6 +353,15 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
     elif wl.mode == "disagg":
         raise InputError(f"--mode disagg: mesh {mesh} has one GPU; a prefill and a decode pool "
                          "need at least two")
+    return summarise(pools, wl, mesh, policy, extra)
+
+
+def summarise(pools: dict, wl: Workload, mesh: Mesh, policy: str, extra) -> ServeOutcome:
+    """The outcome solved from the pools' recorded rows (module docstring): the choice is
+    the best feasible deployment over every search's rows; ``own`` / ``agent`` the policy's
+    alone / with the baselines'; the Pareto fronts, alternatives and SLO moves over every row
+    too, so none of them beats the choice at the asked SLOs. InfeasibleError if nothing
+    meets them."""
     G = mesh.gpus
 
     def solve(tags, scale=1.0, tpot=None):
@@ -365,25 +380,25 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
         return max(got, key=lambda c: c.tok_s_per_gpu) if got else None
 
     baselines = [t for t in ("megatron", "best_practice") if t == "megatron" or t in extra]
-    searched = solve({policy, *baselines})  # never a plan worse than a baseline of the run
+    # every search's rows, the policy's first (a tie keeps the searcher's plan)
+    everything = tuple(dict.fromkeys([policy, *baselines, *extra, *(
+        t for p in pools.values() for t in p.results)]))
+    # the returned plan is the best feasible point the run evaluated (the searcher's, the
+    # baselines', the exact sweep's rows): no alternative or SLO move printed can beat it
+    searched = solve(everything)
     choice = best(searched)
     if choice is None:
         raise InfeasibleError(_nothing_fits(wl, mesh, pools))
     own = best(solve({policy}))
+    agent = best(solve((policy, *baselines)))  # what the run is without the exact ceiling
     base = {t: best(solve({t})) for t in baselines}
-    chosen_from = policy
-    for t, c in base.items():
-        if c is not None and c.tok_s_per_gpu > max(
-                [own.tok_s_per_gpu if own else -1.0]
-                + [b.tok_s_per_gpu for u, b in base.items() if b is not None and u != t]):
-            chosen_from = t
+    chosen_from = chosen_tag(choice, pools, (policy, *baselines, *extra))
     mega = base["megatron"]
     bp = own if policy == "best_practice" else base.get("best_practice")
     exact, complete = None, False
     if "exact" in (policy, *extra):
         exact = best(solve({"exact", "megatron"}))
         complete = all(p.results["exact"].complete for p in pools.values())
-    everything = set().union(*(p.results for p in pools.values()))
     pareto = {}
     if "mixed" in pools:
         pts = _agg_points(pools["mixed"], everything, wl, G)
@@ -405,7 +420,20 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
                       "changes": bool(alt and alt.describe() != choice.describe())})
     return ServeOutcome(wl, mesh, choice, searched, pools, mega, bp, exact, complete, pareto,
                         _alternatives(choice, pools, everything, wl, G),
-                        binding_constraint(choice, pools, wl), moves, chosen_from, own)
+                        binding_constraint(choice, pools, wl), moves, chosen_from, own, agent)
+
+
+def chosen_tag(choice: ServeChoice, pools: dict, order) -> str:
+    """The search that found ``choice``: the first of ``order`` (search tags, the policy
+    first) that evaluated each pool row of it; a disaggregated choice whose pools come from
+    two searches is ``"<prefill tag>+<decode tag>"``."""
+    tags = []
+    for role, _, _, row in choice.pools:
+        t = pools[role].objective.table()
+        same = (t["actions"] == row["actions"][None, :]).all(axis=1)
+        found = set(t["tag"][same].tolist())
+        tags.append(next((o for o in order if o in found), str(row["tag"])))
+    return tags[0] if len(set(tags)) == 1 else "+".join(tags)
 
 
 def _agg_points(pool: PoolSearch, tags, wl: Workload, G: int) -> list[dict]:

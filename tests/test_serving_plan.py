@@ -131,6 +131,22 @@ def test_simulate_serve_prices_the_aggregated_pool_only(capsys):
     assert "TTFT (ms)" in capsys.readouterr().out
 
 
+def test_simulate_serve_prices_the_batch_asked(capsys):
+    """``--batch N`` is priced at N on a mesh with ep x pp work units (an infeasible N says
+    what binds, not a divisibility failure of another batch); ``auto`` with nothing feasible
+    prices a batch that splits, so the reason is the SLO."""
+    args = ["simulate", str(ROOT / "examples" / "tiny_mixtral.py"), "--mesh", "4x1",
+            "--phase", "serve", "--isl", "256", "--osl", "64", "--degrees", "ep=4"]
+    assert main(args + ["--batch", "12"]) == 0
+    assert "batch 12\n" in capsys.readouterr().out
+    for batch, shown in (("12", "batch=12"), ("auto", "batch=4")):
+        assert main(args + ["--batch", batch, "--tpot-slo", "0.001"]) == 3
+        err = capsys.readouterr().err
+        assert "TPOT" in err and shown in err, err
+    assert main(args + ["--batch", "6"]) == 3
+    assert "batch 6 does not divide over 4" in capsys.readouterr().err
+
+
 def test_serve_longer_than_the_model_positions_is_refused():
     from shardc.serving import check_serve_positions
     from tests.cost_graphs import fixture_graph

@@ -2,8 +2,9 @@
 
 Prints the per-op breakdown (ms per layer per micro-batch), the collectives, the stage
 times and the predicted throughput/latency/memory; ``--json FILE`` writes ``model``,
-``degrees``, ``workload`` and ``predicted`` (plan.json's keys). ``--batch auto`` picks the
-feasible batch candidate with the highest tok/s/GPU. ``--choices`` = ``megatron`` (default)
+``degrees``, ``workload`` and ``predicted`` (plan.json's keys). ``--batch N`` prices exactly
+N sequences per replica (also in ``--phase serve``, where compile reads it as a cap);
+``--batch auto`` picks the feasible batch candidate with the highest tok/s/GPU. ``--choices`` = ``megatron`` (default)
 or ``rep``, optionally followed by overrides ``SLOT=NAME`` (e.g.
 ``megatron,moe_block.expert_ffn2=col``; slot names as ``shardc inspect`` lists them).
 Exit 3 if the strategy is infeasible (the table is still printed).
@@ -125,6 +126,23 @@ def report(ex) -> str:
     return "\n".join(out)
 
 
+def pick_row(cm, space: StrategySpace, deg, candidates: list, batches: list) -> tuple:
+    """(op choices, batch) to price: the only pair, else (``--batch auto`` or several engine
+    modes) the feasible pair with the highest tok/s/GPU; when none is feasible, the first
+    choices at the smallest batch that splits evenly over the step's work units (decode and
+    serve: pp micro-batches x ep attention groups; prefill: ep groups), so the infeasibility
+    reported is the one that binds, not the split."""
+    rows = [(c, b) for c in candidates for b in batches]
+    if len(rows) == 1:
+        return rows[0]
+    acts = np.array([space.encode(Strategy(deg, b, c)) for c, b in rows])
+    ev = cm.evaluate(acts, space)
+    if ev.feasible.any():
+        return rows[int(np.argmax(np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)))]
+    units = deg.ep * (deg.pp if cm.workload.phase == "decode" else 1)
+    return candidates[0], next((b for b in batches if b % units == 0), batches[0])
+
+
 def run(args) -> int:
     from shardc.api import load_model_graph
     from shardc.cost import CostModel, load_hardware
@@ -150,7 +168,7 @@ def run(args) -> int:
     kernel_options = {"kernels": args.kernels, "engine": kernel_engine(args)}
     if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
         from shardc.cost.serving import pool_cost_model, pool_workload
-        from shardc.serving import capped_batches, check_serve_positions
+        from shardc.serving import check_serve_positions
 
         if workload.mode == "disagg":
             raise InputError("simulate --phase serve prices one aggregated pool (--mode agg); "
@@ -169,19 +187,9 @@ def run(args) -> int:
     candidates = [parse_choices(args.choices, space, tp_idx)]
     if args.runtime != "dtensor":  # the engine's own per-op choices (each of its modes)
         candidates = runtime_candidates(args, space, deg)
-    batch = workload.batch
-    if workload.phase == "serve":  # --batch caps the running sequences per replica
-        space.values["batch"] = capped_batches(space.values["batch"], batch)
-        batch = None
+    batch = workload.batch  # one strategy: --batch N is priced at exactly N sequences
     batches = space.values["batch"] if batch is None else [int(batch)]
-    rows = [(c, b) for c in candidates for b in batches]
-    if len(rows) > 1:  # pick the best feasible batch candidate (and engine mode)
-        acts = np.array([space.encode(Strategy(deg, b, c)) for c, b in rows])
-        ev = cm.evaluate(acts, space)
-        score = np.where(ev.feasible, ev.tok_s_per_gpu, -1.0)
-        choices, batch = rows[int(np.argmax(score))] if ev.feasible.any() else (candidates[0], 1)
-    else:
-        choices, batch = rows[0]
+    choices, batch = pick_row(cm, space, deg, candidates, batches)
     strategy = Strategy(deg, int(batch), choices)
     ex = cm.simulate(strategy)
     print(f"{graph.name} on {mesh} x {hw.name}, {workload.phase}, degrees "
