@@ -42,6 +42,7 @@ from shardc.ir.space import DECODE_BATCHES, StrategySpace
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.search import POLICIES, run_search
 from shardc.search.engine_search import search_engine
+from shardc.search.fronts import best_per_key, latency_front
 from shardc.search.objective import CostModelObjective
 
 SLO_MOVES = (0.8, 1.2)
@@ -59,6 +60,8 @@ class PoolObjective(CostModelObjective):
         super().__init__(cost_model, space)
         self.role, self.transfer, self.tag = role, transfer, ""
         self.rows: list[dict] = []
+        self._tag_codes: dict[str, int] = {}  # search tag -> code in the cached table
+        self._cache: tuple = (None,)  # (rows recorded, full table, tag codes)
 
     def __call__(self, actions):
         a = np.atleast_2d(actions)
@@ -88,18 +91,38 @@ class PoolObjective(CostModelObjective):
     def table(self, tags=None) -> dict:
         """The recorded rows (of the searches in ``tags``) as arrays; when ``tags`` is a list
         or tuple, its searches' rows come in its order (ties go to the earlier search)."""
-        rows = [r for r in self.rows if len(r["value"])]
+        full, code = self._full_table()
+        if not full or tags is None:
+            return full
+        names = list(tags)
+        rank = np.full(len(self._tag_codes) + 1, len(names))
+        for i, t in enumerate(names):
+            if t in self._tag_codes:
+                rank[self._tag_codes[t]] = min(rank[self._tag_codes[t]], i)
+        r = rank[code]
+        idx = np.flatnonzero(r < len(names))
         if isinstance(tags, (list, tuple)):
-            rank = {t: i for i, t in enumerate(tags)}
-            rows = sorted((r for r in rows if r["tag"][0] in rank),
-                          key=lambda r: rank[r["tag"][0]])
-        if not rows:
-            return {}
-        out = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-        if tags is not None:
-            keep = np.isin(out["tag"], list(tags))
-            out = {k: v[keep] for k, v in out.items()}
-        return out
+            idx = idx[np.argsort(r[idx], kind="stable")]
+        return {k: v[idx] for k, v in full.items()} if len(idx) else {}
+
+    def _full_table(self) -> tuple[dict, np.ndarray]:
+        """Every recorded row as arrays, and each row's tag code (cached until a new call)."""
+        if self._cache[0] == len(self.rows):
+            return self._cache[1], self._cache[2]
+        rows = [r for r in self.rows if len(r["value"])]
+        full = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]} if rows else {}
+        codes = []
+        for r in rows:
+            tags = r["tag"]
+            if (tags == tags[0]).all():
+                code = self._tag_codes.setdefault(tags[0], len(self._tag_codes))
+                codes.append(np.full(len(tags), code))
+            else:
+                codes.append(np.array([self._tag_codes.setdefault(t, len(self._tag_codes))
+                                       for t in tags]))
+        code = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
+        self._cache = (len(self.rows), full, code)
+        return full, code
 
 
 @dataclass
@@ -214,13 +237,8 @@ def disagg_points(prefill: PoolSearch, decode: PoolSearch, tags, tpot_slo: float
     rate = t["value"] * t["gpus"] / wl.osl
     out = []
     for g in np.unique(t["gpus"][ok]):
-        idx = np.flatnonzero(ok & (t["gpus"] == g))
-        idx = idx[np.lexsort((-rate[idx], t["tpot"][idx]))]  # fastest first
-        best_rate = -np.inf
-        for i in idx:  # keep rows not beaten by a faster one
-            if rate[i] <= best_rate:
-                continue
-            best_rate = rate[i]
+        # fastest first, the rows not beaten by a faster one
+        for i in latency_front(t["tpot"], rate, np.flatnonzero(ok & (t["gpus"] == g))):
             combo = best_ratio({k: v[0] for k, v in best_p.items()}, int(g), float(rate[i]),
                                mesh_gpus)
             if combo is None:
@@ -436,22 +454,25 @@ def chosen_tag(choice: ServeChoice, pools: dict, order) -> str:
     return tags[0] if len(set(tags)) == 1 else "+".join(tags)
 
 
+def _agg_choice(pool: PoolSearch, t: dict, i: int, wl: Workload, G: int) -> ServeChoice:
+    workers = G // int(t["gpus"][i])
+    v = float(t["value"][i])
+    return ServeChoice("agg", [("mixed", workers, _strategy(pool, t["actions"][i], workers),
+                                _row(t, int(i)))], v, float(t["tpot"][i]), float(t["ttft"][i]),
+                       v * G / wl.osl)
+
+
 def _agg_points(pool: PoolSearch, tags, wl: Workload, G: int) -> list[dict]:
+    """The aggregated rows meeting TTFT on the (TPOT, tok/s/GPU) front, as points."""
     t = pool.objective.table(tags)
     if not t:
         return []
-    ok = pool.objective.feasible(t, np.inf, wl.ttft_slo_ms)
-    out = {}
-    for i in np.flatnonzero(ok):
-        key = (round(float(t["tpot"][i]), 9), round(float(t["value"][i]), 9))
-        if key not in out:
-            workers = G // int(t["gpus"][i])
-            c = ServeChoice("agg", [("mixed", workers, _strategy(pool, t["actions"][i], workers),
-                                     _row(t, int(i)))], float(t["value"][i]),
-                            float(t["tpot"][i]), float(t["ttft"][i]),
-                            float(t["value"][i]) * G / wl.osl)
-            out[key] = {"user": c.tok_s_per_user, "gpu": c.tok_s_per_gpu, "choice": c}
-    return list(out.values())
+    ok = np.flatnonzero(pool.objective.feasible(t, np.inf, wl.ttft_slo_ms))
+    out = []
+    for i in latency_front(t["tpot"], t["value"], ok):
+        c = _agg_choice(pool, t, int(i), wl, G)
+        out.append({"user": c.tok_s_per_user, "gpu": c.tok_s_per_gpu, "choice": c})
+    return out
 
 
 def _point(c: ServeChoice) -> dict:
@@ -461,9 +482,16 @@ def _point(c: ServeChoice) -> dict:
 def _alternatives(choice: ServeChoice, pools, tags, wl: Workload, G: int) -> list[dict]:
     """The best plans of other shapes (distinct describe()) meeting the SLOs, with deltas."""
     cands = []
-    if "mixed" in pools:
-        cands += [p["choice"] for p in _agg_points(pools["mixed"], tags, wl, G)
-                  if p["choice"].tpot_ms <= wl.tpot_slo_ms]
+    if "mixed" in pools:  # the best row of each shape (degrees, batch), decoded
+        pool = pools["mixed"]
+        t = pool.objective.table(tags)
+        if t:
+            ok = np.flatnonzero(pool.objective.feasible(t, wl.tpot_slo_ms, wl.ttft_slo_ms))
+            deg = pool.space.degree_arrays(t["actions"][ok])
+            keys = np.zeros((len(t["value"]), 4), dtype=np.int64)
+            keys[ok] = np.stack([deg[k] for k in ("tp", "ep", "pp", "batch")], axis=1)
+            best = best_per_key(keys, t["value"], ok)[:TOP_ALTERNATIVES + 1]
+            cands += [_agg_choice(pool, t, int(i), wl, G) for i in best]
     if "decode" in pools:
         cands += disagg_points(pools["prefill"], pools["decode"], tags, wl.tpot_slo_ms,
                                wl.ttft_slo_ms, G, wl)
