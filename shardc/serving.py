@@ -78,6 +78,9 @@ class PoolObjective(CostModelObjective):
                               tag=np.full(len(a), self.tag, dtype=object)))
         wl = self.cost_model.workload
         ok = self.feasible(self.rows[-1], wl.tpot_slo_ms, wl.ttft_slo_ms)
+        self.last_violation = self.cost_model.violation(
+            ev, wl.tpot_slo_ms if self.role != "prefill" else None,
+            wl.ttft_slo_ms if self.role != "decode" else None, ttft)
         return np.asarray(ev.tok_s_per_gpu, float), ok
 
     def feasible(self, r: dict, tpot_slo: float, ttft_slo: float) -> np.ndarray:

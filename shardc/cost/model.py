@@ -405,6 +405,22 @@ class CostModel:
         return paged_kv_tokens(wl.isl, wl.osl, resident_seqs,
                                PAGE_TOKENS.get(self.kernel_options["engine"], 1))
 
+    def violation(self, ev: Evaluation, tpot_slo_ms: float | None, ttft_slo_ms: float | None,
+                  ttft_ms=None) -> np.ndarray:
+        """[B] how far each evaluated strategy is from feasible: ``max(model bytes / usable
+        HBM, TPOT / TPOT SLO, TTFT / TTFT SLO) - 1`` over the checks that apply (a None SLO
+        or a NaN latency is not checked; ``ttft_ms`` overrides ``ev``'s), ``inf`` for a
+        discrete failure (degrees, op choices, batch split); <= 0 when every continuous check
+        passes. The row polisher's repair step minimises it (:mod:`shardc.search.polish`)."""
+        model_bytes = np.asarray(ev.memory_gb_per_gpu, float) * 1e9 - self.hw.workspace_gb * 1e9
+        ratios = [model_bytes / self.hw.usable_hbm_bytes]
+        ttft = np.asarray(ev.ttft_ms if ttft_ms is None else ttft_ms, float)
+        for lat, slo in ((np.asarray(ev.tpot_ms, float), tpot_slo_ms), (ttft, ttft_slo_ms)):
+            if slo is not None and np.isfinite(slo) and slo > 0:
+                ratios.append(np.where(np.isfinite(lat), lat / slo, 0.0))
+        out = np.max(ratios, axis=0) - 1.0
+        return np.where(np.isin(ev.reason, (BAD_BATCH, BAD_CHOICE, BAD_DEGREES)), np.inf, out)
+
     def evaluate(self, actions: np.ndarray, space: StrategySpace) -> Evaluation:
         """Evaluate a batch of actions [B, A] of ``space`` (see :class:`Evaluation`)."""
         if self.token_budgets is not None:

@@ -87,6 +87,9 @@ class CostModelObjective:
 
     def __call__(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ev = self.cost_model.evaluate(np.atleast_2d(actions), self.space)
+        wl = self.cost_model.workload
+        # how far from feasible (CostModel.violation), read by the row polisher's repair
+        self.last_violation = self.cost_model.violation(ev, wl.tpot_slo_ms, wl.ttft_slo_ms)
         return np.asarray(ev.tok_s_per_gpu, dtype=np.float64), np.asarray(ev.feasible, dtype=bool)
 
 

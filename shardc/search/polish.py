@@ -53,6 +53,8 @@ from shardc.search.objective import Budget
 
 OP_OF_BRANCH = {op: branch for branch, ops in BRANCHES.items() for op in ops}
 SCREEN_CHUNK = 128  # rows per screening call
+REPAIR_VIOLATION = 0.25  # a row this close to feasible (25% over a limit) ranks its tuple
+REPAIR_SWEEPS = 2  # violation best-response rounds per repaired tuple
 
 
 def branch_groups(space) -> list[np.ndarray]:
@@ -74,21 +76,43 @@ class Archive:
         self.space = space
         self.seen: dict[bytes, float] = {}
         self.rows: dict[tuple[int, ...], tuple[float, np.ndarray]] = {}
+        self.violation: dict[bytes, float] = {}  # infeasible actions: how far from feasible
+        # degree tuples (tp, ep, pp, sp) with no feasible row yet: (smallest violation, its
+        # action, the best raw value of a row within REPAIR_VIOLATION of feasible)
+        self.near: dict[tuple[int, ...], tuple[float, np.ndarray, float]] = {}
+        self.feasible_tuples: set[tuple[int, ...]] = set()
 
     def row_keys(self, actions: np.ndarray) -> list[tuple[int, ...]]:
         d = self.space.degree_arrays(np.atleast_2d(actions))
         cols = np.stack([d[c] for c in ("tp", "ep", "pp", "sp", "batch")], axis=1)
         return [tuple(int(x) for x in row) for row in cols]
 
-    def record(self, actions: np.ndarray, values: np.ndarray, feasible: np.ndarray) -> None:
+    def record(self, actions: np.ndarray, values: np.ndarray, feasible: np.ndarray,
+               violation: np.ndarray | None = None) -> None:
+        """Record evaluated ``actions``; ``violation`` (the objective's ``last_violation``,
+        when it has one) feeds the repair step's ``near`` rows."""
         keys = self.row_keys(actions) if len(actions) else []
-        for a, v, f, key in zip(actions, values, feasible, keys):
+        if violation is None or len(violation) != len(keys):
+            violation = np.full(len(keys), np.inf)
+        for a, v, f, key, viol in zip(actions, values, feasible, keys, violation):
             val = float(v) if f else -np.inf
             self.seen[a.tobytes()] = val
             if f:
                 old = self.rows.get(key)
                 if old is None or val > old[0]:
                     self.rows[key] = (val, a.copy())
+                self.feasible_tuples.add(key[:4])
+                self.near.pop(key[:4], None)
+                continue
+            self.violation[a.tobytes()] = float(viol)
+            if not np.isfinite(viol) or key[:4] in self.feasible_tuples:
+                continue
+            best_v, best_a, raw = self.near.get(key[:4], (np.inf, None, -np.inf))
+            if viol <= REPAIR_VIOLATION and np.isfinite(v):
+                raw = max(raw, float(v))
+            if viol < best_v:
+                best_v, best_a = float(viol), a.copy()
+            self.near[key[:4]] = (best_v, best_a, raw)
 
 
 class RowPolisher:
@@ -106,6 +130,7 @@ class RowPolisher:
         self.free_tp = tp_values.index(1) if ops_free_at_tp1 and 1 in tp_values else -1
         self.megatron = [megatron_op_choices(self.space, t) for t in range(len(tp_values))]
         self.polished: set[tuple[int, ...]] = set()
+        self.repaired: set[tuple[int, ...]] = set()
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, actions: np.ndarray) -> np.ndarray:
@@ -125,7 +150,8 @@ class RowPolisher:
         if new:
             batch = np.array(new, dtype=np.int64)
             v, f = self.budget(batch)  # may evaluate fewer when the budget runs out
-            self.archive.record(batch[:len(v)], v, f)
+            self.archive.record(batch[:len(v)], v, f,
+                                getattr(self.budget.objective, "last_violation", None))
             for a in batch[:len(v)]:
                 for i in where[a.tobytes()]:
                     values[i] = self.archive.seen[a.tobytes()]
@@ -277,17 +303,118 @@ class RowPolisher:
             if np.isfinite(values).any() or self.budget.remaining <= 0:
                 return
 
+    # ------------------------------------------------------------------ repair
+    def next_repair(self) -> tuple[float, tuple[int, ...], np.ndarray] | None:
+        """The degree tuple with no feasible row whose near rows promise the most: (best raw
+        value of a row within :data:`REPAIR_VIOLATION` of feasible, tuple, its least-violating
+        action), if that value beats the best feasible value known."""
+        best = None
+        for key in sorted(self.archive.near):
+            viol, action, raw = self.archive.near[key]
+            if key in self.repaired or key in self.archive.feasible_tuples or action is None:
+                continue
+            if raw > self.budget.best_value and (best is None or raw > best[0]):
+                best = (raw, key, action)
+        return best
+
+    def repair(self, action: np.ndarray) -> None:
+        """Branch best responses and batch steps (+-1, +-2) that *minimise the violation* at
+        ``action``'s degree tuple (memory and latency are sums over the branches at a fixed
+        row, so the branches' best responses combine, as in :meth:`polish`), until a feasible
+        strategy appears (then its op choices are tried at every batch of the tuple) or no
+        step lowers the violation (at most :data:`REPAIR_SWEEPS` rounds)."""
+        cur = action.copy()
+        cur_v = self.archive.violation.get(cur.tobytes(), np.inf)
+        n_batch = int(self.sampler.nvec[BATCH])
+        for _ in range(REPAIR_SWEEPS):
+            cands, owner = [], []
+            if cur[TP] != self.free_tp:
+                for g, cols in enumerate(self.groups):
+                    combos = self._combos(int(cur[TP]), cols)
+                    acts = np.repeat(cur[None], len(combos), axis=0)
+                    acts[:, cols] = combos
+                    keep = (combos != cur[cols]).any(axis=1)
+                    cands.append(acts[keep])
+                    owner += [g] * int(keep.sum())
+            for db in (-2, -1, 1, 2):
+                if 0 <= cur[BATCH] + db < n_batch:
+                    b = cur.copy()
+                    b[BATCH] += db
+                    cands.append(b[None])
+                    owner.append(-1)
+            if not cands:
+                return
+            acts = np.concatenate(cands)
+            vals = self.evaluate(acts)
+            if not np.isfinite(vals).any():
+                viol = self._violations(acts)
+                owner_a = np.array(owner)
+                both, improving = cur.copy(), 0
+                for g in np.unique(owner_a[owner_a >= 0]):
+                    sel = np.flatnonzero(owner_a == g)
+                    i = sel[int(np.argmin(viol[sel]))]
+                    if viol[i] < cur_v:
+                        both[self.groups[g]] = acts[i, self.groups[g]]
+                        improving += 1
+                if improving > 1:
+                    vals = np.append(vals, self.evaluate(both[None]))
+                    acts = np.concatenate([acts, both[None]])
+                    viol = np.append(viol, self._violations(both[None]))
+            if np.isfinite(vals).any():
+                best = acts[int(np.argmax(vals))]
+                rows = np.repeat(best[None], n_batch, axis=0)
+                rows[:, BATCH] = np.arange(n_batch)
+                self.evaluate(rows)
+                return
+            i = int(np.argmin(viol))
+            if not viol[i] < cur_v:
+                return
+            cur, cur_v = acts[i].copy(), float(viol[i])
+
+    def _violations(self, actions: np.ndarray) -> np.ndarray:
+        return np.array([self.archive.violation.get(a.tobytes(), np.inf) for a in actions])
+
     def run(self) -> None:
         """Polish and expand rows, best first, until the budget is spent (BudgetExhausted
-        propagates) or no unpolished row is left."""
+        propagates) or no unpolished row is left; a degree tuple with no feasible row whose
+        near rows promise more than the next row is repaired first (:meth:`repair`)."""
         if not self.archive.rows:
             self.screen()
         while self.budget.remaining > 0:
             nxt = self.next_row()
+            rep = self.next_repair() if nxt is None or nxt[0] < self.budget.best_value else None
+            if rep is not None and (nxt is None or rep[0] > nxt[0]):
+                self.repaired.add(rep[1])
+                self.repair(rep[2])
+                continue
             if nxt is None:
                 return
             value, action = nxt
             self.polished.update(self.archive.row_keys(action))
-            best, _ = self.polish(action, value)
+            best, best_v = self.polish(action, value)
             self.polished.update(self.archive.row_keys(best))
             self.expand(best)
+            if best_v >= self.budget.best_value:
+                self.repair_next_batch(best)
+
+    def repair_next_batch(self, action: np.ndarray) -> None:
+        """The best strategy's next larger batch, when it came back infeasible but within
+        :data:`REPAIR_VIOLATION` of its limits (an SLO or HBM cliff the polished choices just
+        miss): repaired once (:meth:`repair`)."""
+        for step in (1, 2):  # the next batch that splits evenly (a finite violation)
+            if action[BATCH] + step >= self.sampler.nvec[BATCH]:
+                return
+            nxt = action.copy()
+            nxt[BATCH] += step
+            key = self.archive.row_keys(nxt)[0]
+            if key in self.archive.rows or key in self.repaired:
+                return
+            if np.isfinite(self.evaluate(nxt[None])[0]):
+                return
+            viol = self.archive.violation.get(nxt.tobytes(), np.inf)
+            if np.isfinite(viol):
+                break
+        if not viol <= REPAIR_VIOLATION:
+            return
+        self.repaired.add(key)
+        self.repair(nxt)
