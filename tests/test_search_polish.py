@@ -6,7 +6,7 @@ import numpy as np
 from shardc.ir.space import megatron_op_choices
 from shardc.search import run_search
 from shardc.search.legal import BATCH, N_DEG, TP, LegalSampler
-from shardc.search.objective import Budget
+from shardc.search.objective import Budget, BudgetExhausted
 from shardc.search.polish import Archive, RowPolisher, branch_groups
 from shardc.search.rl import RLConfig
 from shardc.search.synthetic import toy_space
@@ -112,3 +112,50 @@ def test_with_nothing_feasible_known_the_polisher_screens_every_row_with_megatro
     RowPolisher(sampler, budget, Archive(space)).run()
     assert budget.best_action is not None
     assert (budget.best_action[:N_DEG] == start[:N_DEG]).all()
+
+
+class HbmCliff:
+    """value = 100 * (1 + batch index / 100) * (3 at tp = 2, 1 elsewhere); at tp = 2 a
+    strategy fits only with its attention branch fully replicated (2, 2, 2) -- ``last_violation``
+    = 0.05 per other attention slot, as an HBM overshoot (CostModel.violation's shape); every
+    other tp fits. With ``signal=False`` the objective has no ``last_violation``."""
+
+    op_choices_free_at_tp1 = False
+
+    def __init__(self, space, signal=True):
+        self.tp2 = space.values["tp"].index(2)
+        self.signal = signal
+
+    def __call__(self, actions):
+        a = np.atleast_2d(actions)
+        at2 = a[:, TP] == self.tp2
+        off = (a[:, ATTN] != 2).sum(axis=1)
+        ok = ~at2 | (off == 0)
+        if self.signal:
+            self.last_violation = np.where(ok, -0.1, 0.05 * off)
+        return 100.0 * (1 + a[:, BATCH] / 100.0) * np.where(at2, 3.0, 1.0), ok
+
+
+def test_repair_brings_a_near_tuple_under_its_limit_and_finds_its_batches():
+    space = toy_space()
+    sampler, start = _start(space, tp_value=4)  # a feasible row elsewhere
+    _, near = _start(space, tp_value=2)  # Megatron's choices at tp = 2: over the limit
+    assert (near[ATTN] != 2).any()
+    found = {}
+    for signal in (True, False):
+        obj = HbmCliff(space, signal)
+        budget = Budget(obj, 2000)
+        archive = Archive(space)
+        rows = np.stack([start, near])
+        v, f = budget(rows)
+        archive.record(rows, v, f, getattr(obj, "last_violation", None))
+        assert f.tolist() == [True, False]
+        try:
+            RowPolisher(sampler, budget, archive).run()
+        except BudgetExhausted:
+            pass
+        found[signal] = budget.best_action
+    best = found[True]
+    assert best[TP] == near[TP] and tuple(best[ATTN]) == (2, 2, 2)
+    assert best[BATCH] == sampler.nvec[BATCH] - 1  # the repaired choices at every batch
+    assert found[False][TP] != near[TP]  # without the violation signal the tuple stays out

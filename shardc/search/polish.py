@@ -382,6 +382,8 @@ class RowPolisher:
             self.screen()
         while self.budget.remaining > 0:
             nxt = self.next_row()
+            # the best row is polished first; then the most promising repair, if it promises
+            # more than the next row
             rep = self.next_repair() if nxt is None or nxt[0] < self.budget.best_value else None
             if rep is not None and (nxt is None or rep[0] > nxt[0]):
                 self.repaired.add(rep[1])
