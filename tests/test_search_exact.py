@@ -59,3 +59,25 @@ def test_batch_pruning_keeps_the_optimum_and_saves_evaluations():
     a = run_search("exact", s, o)
     b = run_search("exact", s, o, monotone_batch=False)
     assert a.best_value == b.best_value and a.evaluations < b.evaluations
+
+
+def test_vectorised_candidates_keep_the_plan_of_the_per_row_sweep():
+    """The decomposed exact sweep of the DeepSeek-V3 fixture at 8x16 (decode, 4k context)
+    returns the action, value, evaluation count and best-so-far curve recorded from the
+    per-row candidate step it replaced (tests/data/exact/, written by the code before the
+    vectorisation): same candidates in the same order."""
+    import json
+    from pathlib import Path
+
+    from tests.cost_graphs import fixture_graph
+
+    golden = json.loads((Path(__file__).parent / "data" / "exact" /
+                         "deepseek_v3_8x16_decode.json").read_text())["deepseek_v3 8x16 decode"]
+    g, mesh, wl = fixture_graph("deepseek_v3"), Mesh.parse("8x16"), Workload(phase="decode",
+                                                                             context=4096)
+    space = StrategySpace(g, mesh, wl)
+    r = run_search("exact", space, cost_model_objective(CostModel(g, mesh, "h100", wl), space))
+    assert r.best_action.tolist() == golden["action"]
+    assert r.best_value == golden["tok_s_per_gpu"]
+    assert r.evaluations == golden["evaluations"]
+    assert [[int(a), float(b)] for a, b in r.curve] == golden["curve"]
