@@ -75,12 +75,15 @@ def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int
 
 
 def exact_sweep(space, objective, seed: int = 0, progress=None, *,
-                time_limit_s: float = EXACT_TIME_LIMIT_S, chunk: int = 4096) -> SearchResult:
+                time_limit_s: float = EXACT_TIME_LIMIT_S, chunk: int = 4096,
+                clock=None) -> SearchResult:
     """Every legal action of a mode space (one op row per tp: :func:`mode_spaces`) through
-    ``objective``, in chunks; ``complete`` False when ``time_limit_s`` stopped it."""
+    ``objective``, in chunks; ``complete`` False when ``time_limit_s`` seconds of ``clock``
+    (default wall time) stopped it."""
     import time
 
-    t0 = time.perf_counter()
+    clock = clock or time.perf_counter
+    t0 = clock()
     sampler = LegalSampler(space)
     rows = space.op_mask_by_tp.argmax(axis=2)  # [n_tp, n_slots]: the mode's one choice
     assert (space.op_mask_by_tp.sum(axis=2) == 1).all(), "not an engine mode space"
@@ -89,7 +92,7 @@ def exact_sweep(space, objective, seed: int = 0, progress=None, *,
     complete = True
     for i in range(0, len(acts), chunk):
         meter(acts[i:i + chunk])
-        if time.perf_counter() - t0 > time_limit_s and i + chunk < len(acts):
+        if clock() - t0 > time_limit_s and i + chunk < len(acts):
             complete = False
             break
     return SearchResult(best_action=meter.best_action, best_value=meter.best_value,
