@@ -45,6 +45,7 @@ from shardc.search import POLICIES, run_search
 from shardc.search.engine_search import search_engine
 from shardc.search.fronts import best_per_key, latency_front
 from shardc.search.objective import CostModelObjective
+from shardc.serving_explain import binding_constraint, nothing_fits
 
 SLO_MOVES = (0.8, 1.2)
 EXACT_LIMIT_S = 20.0  # CPU seconds per pool, for the optimum fraction
@@ -416,7 +417,7 @@ def summarise(pools: dict, wl: Workload, mesh: Mesh, policy: str, extra) -> Serv
     searched = solve(everything)
     choice = best(searched)
     if choice is None:
-        raise InfeasibleError(_nothing_fits(wl, mesh, pools))
+        raise InfeasibleError(nothing_fits(wl, mesh, pools))
     own = best(solve({policy}))
     agent = best(solve((policy, *baselines)))  # what the run is without the exact ceiling
     base = {t: best(solve({t})) for t in baselines}
@@ -514,46 +515,3 @@ def _alternatives(choice: ServeChoice, pools, tags, wl: Workload, G: int) -> lis
         if len(out) >= TOP_ALTERNATIVES:
             break
     return out
-
-
-def binding_constraint(choice: ServeChoice, pools, wl: Workload) -> str:
-    """What stops the throughput-setting pool (mixed / decode) from running the next larger
-    batch candidate (one that divides over its pp x ep micro-batches): ``memory``, ``TPOT``
-    or ``TTFT`` (``batch grid`` past the largest candidate, ``--batch cap`` at the user's)."""
-    role, _, strategy, _ = choice.pools[-1]
-    pool = pools[role]
-    d = strategy.degrees
-    larger = [b for b in pool.space.values["batch"]
-              if b > strategy.batch and b % (d.pp * d.ep) == 0]
-    if not larger:
-        return "--batch cap" if wl.batch and strategy.batch >= wl.batch else "batch grid"
-    s = Strategy(replace(d, dp=pool.space.mesh.gpus // d.replica_gpus), larger[0],
-                 strategy.choices)
-    ev = pool.cost_model.evaluate(pool.space.encode(s)[None, :], pool.space)
-    code = int(ev.reason[0])
-    if code == NO_MEMORY:
-        return "memory"
-    if code == TPOT_SLO or float(ev.tpot_ms[0]) > wl.tpot_slo_ms:
-        return "TPOT"
-    if code == TTFT_SLO:
-        return "TTFT"
-    return "batch divisibility" if code != OK else "none"
-
-
-def _nothing_fits(wl: Workload, mesh: Mesh, pools: dict) -> str:
-    """Why no serving plan meets the SLOs: the closest rows of each pool."""
-    parts = []
-    for role, pool in pools.items():
-        t = pool.objective.table()
-        if not t or not t["fits"].any():
-            parts.append(f"{role}: nothing fits in HBM")
-            continue
-        fits = t["fits"]
-        if role != "prefill":
-            parts.append(f"{role}: best TPOT {np.nanmin(np.where(fits, t['tpot'], np.inf)):.3g} "
-                         f"ms (SLO {wl.tpot_slo_ms:g})")
-        if role != "decode":
-            parts.append(f"{role}: best TTFT {np.nanmin(np.where(fits, t['ttft'], np.inf)):.3g} "
-                         f"ms (SLO {wl.ttft_slo_ms:g})")
-    return (f"no serving plan on {mesh} meets TTFT <= {wl.ttft_slo_ms:g} ms and TPOT <= "
-            f"{wl.tpot_slo_ms:g} ms for {wl.isl}/{wl.osl} tokens: " + "; ".join(parts))

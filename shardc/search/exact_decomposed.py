@@ -27,7 +27,6 @@ import numpy as np
 from shardc.search.legal import BATCH, N_DEG, LegalSampler
 from shardc.search.objective import Budget
 
-
 BLOCK_ROWS = 256  # degree rows whose candidates are built in one vectorised step
 
 
