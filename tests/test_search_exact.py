@@ -61,23 +61,73 @@ def test_batch_pruning_keeps_the_optimum_and_saves_evaluations():
     assert a.best_value == b.best_value and a.evaluations < b.evaluations
 
 
-def test_vectorised_candidates_keep_the_plan_of_the_per_row_sweep():
-    """The decomposed exact sweep of the DeepSeek-V3 fixture at 8x16 (decode, 4k context)
-    returns the action, value, evaluation count and best-so-far curve recorded from the
-    per-row candidate step it replaced (tests/data/exact/, written by the code before the
-    vectorisation): same candidates in the same order."""
-    import json
-    from pathlib import Path
+def _pareto_reference(t, m, key):
+    """The per-row step's Pareto filter (before vectorisation), kept as the reference."""
+    keep = []
+    for k in np.unique(key):
+        idx = np.flatnonzero(key == k)
+        best_m = np.inf
+        for i in idx[np.lexsort((m[idx], t[idx]))]:
+            if m[i] < best_m:
+                keep.append(i)
+                best_m = m[i]
+    return np.array(sorted(keep), dtype=np.int64)
 
+
+def _candidates_reference(d, deg_row, terms, space):
+    """The per-row candidate step the vectorised block replaced (same output, row by row)."""
+    col = {s: N_DEG + i for i, s in enumerate(space.op_slots)}
+    parts = []
+    for kname in dict.fromkeys(t.kind for t in terms):
+        kterms = [t for t in terms if t.kind == kname]
+        if kname == "global":
+            for t in kterms:
+                ok = np.flatnonzero(t.legal[d])
+                part = np.full((len(ok), len(space.op_slots)), -1, dtype=np.int64)
+                for j, s in enumerate(t.slots):
+                    part[:, col[s] - N_DEG] = t.combos[ok, j]
+                parts.append(part)
+            continue
+        ft, fm, fk = np.zeros(1), np.zeros(1), np.zeros(1, dtype=np.int64)
+        fa = np.full((1, len(space.op_slots)), -1, dtype=np.int64)
+        for t in kterms:
+            ok = np.flatnonzero(t.legal[d])
+            tt = (ft[:, None] + t.time_ms[d, ok][None, :]).ravel()
+            mm = (fm[:, None] + (t.weight_bytes + t.kv_bytes)[d, ok][None, :]).ravel()
+            kk = (fk[:, None] | t.needs[d, ok][None, :]).ravel()
+            aa = np.repeat(fa, len(ok), axis=0)
+            for j, s in enumerate(t.slots):
+                aa[:, col[s] - N_DEG] = np.tile(t.combos[ok, j], len(fa))
+            keep = _pareto_reference(tt, mm, kk)
+            ft, fm, fk, fa = tt[keep], mm[keep], kk[keep], aa[keep]
+        parts.append(fa)
+    ops = np.full((1, len(space.op_slots)), -1, dtype=np.int64)
+    for part in parts:
+        ops = np.where(np.tile(part, (len(ops), 1)) >= 0, np.tile(part, (len(ops), 1)),
+                       np.repeat(ops, len(part), axis=0))
+    acts = np.empty((len(ops), N_DEG + len(space.op_slots)), dtype=np.int64)
+    acts[:, :N_DEG] = deg_row
+    acts[:, N_DEG:] = ops
+    return acts
+
+
+@pytest.mark.parametrize("name,mesh,wl", [
+    ("deepseek_v3", "8x4", Workload(phase="decode", context=4096)),
+    ("mixtral_8x7b", "8x2", Workload(phase="prefill", prompt=2048))])
+def test_vectorised_candidates_are_the_per_row_candidates_in_order(name, mesh, wl):
+    """The decomposed exact sweep's candidates, built 256 degree rows at a time, are the
+    per-row step's (tests' reference copy of it), row by row and in the same order -- so the
+    sweep evaluates the same actions in the same calls and returns the same plan and curve."""
+    from shardc.search.exact_decomposed import BLOCK_ROWS, candidates_block
     from tests.cost_graphs import fixture_graph
 
-    golden = json.loads((Path(__file__).parent / "data" / "exact" /
-                         "deepseek_v3_8x16_decode.json").read_text())["deepseek_v3 8x16 decode"]
-    g, mesh, wl = fixture_graph("deepseek_v3"), Mesh.parse("8x16"), Workload(phase="decode",
-                                                                             context=4096)
-    space = StrategySpace(g, mesh, wl)
-    r = run_search("exact", space, cost_model_objective(CostModel(g, mesh, "h100", wl), space))
-    assert r.best_action.tolist() == golden["action"]
-    assert r.best_value == golden["tok_s_per_gpu"]
-    assert r.evaluations == golden["evaluations"]
-    assert [[int(a), float(b)] for a, b in r.curve] == golden["curve"]
+    g, m = fixture_graph(name), Mesh.parse(mesh)
+    space = StrategySpace(g, m, wl)
+    rows = _degree_rows(LegalSampler(space))
+    terms = CostModel(g, m, "h100", wl).branch_term_grid(rows, space)
+    for lo in range(0, len(rows), BLOCK_ROWS):
+        hi = min(lo + BLOCK_ROWS, len(rows))
+        acts, counts = candidates_block(lo, hi, rows, terms, space)
+        ref = [_candidates_reference(d, rows[d], terms, space) for d in range(lo, hi)]
+        assert counts.tolist() == [len(r) for r in ref]
+        assert np.array_equal(acts, np.concatenate(ref))

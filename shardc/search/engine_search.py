@@ -83,7 +83,7 @@ def exact_sweep(space, objective, seed: int = 0, progress=None, *,
     import time
 
     clock = clock or time.perf_counter
-    t0 = clock()
+    t0, wall0 = clock(), time.perf_counter()
     sampler = LegalSampler(space)
     rows = space.op_mask_by_tp.argmax(axis=2)  # [n_tp, n_slots]: the mode's one choice
     assert (space.op_mask_by_tp.sum(axis=2) == 1).all(), "not an engine mode space"
@@ -97,5 +97,5 @@ def exact_sweep(space, objective, seed: int = 0, progress=None, *,
             break
     return SearchResult(best_action=meter.best_action, best_value=meter.best_value,
                         evaluations=meter.evaluations, curve=meter.curve,
-                        wall_s=time.perf_counter() - t0, policy="exact", seed=seed,
+                        wall_s=time.perf_counter() - wall0, policy="exact", seed=seed,
                         complete=complete)
