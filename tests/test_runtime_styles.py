@@ -367,7 +367,7 @@ def test_formerly_uncovered_experts_and_gpt2_stages_get_torch_files(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     src = (tmp_path / "o" / "parallelize.py").read_text()
-    assert {m.split(".")[0] for m in _imported_modules(src)} <= {"torch", "__future__"}
+    assert {m.split(".")[0] for m in _imported_modules(src)} <= TORCH_ONLY
     assert "layers_path='transformer.h'," in src and "positions=('transformer.wpe',)," in src
 
 

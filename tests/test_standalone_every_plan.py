@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from test_runtime_styles import _imported_modules
+from test_runtime_styles import TORCH_ONLY, _imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {"qkv": ("col", "row", "rep"), "attn_core": ("heads", "batch", "rep"),
@@ -85,7 +85,7 @@ def test_every_choice_pair_emits_a_torch_only_file(model, degrees):
     for label, plan in _plans(model, degrees):
         code = plan.code(standalone=True)  # raises InputError if a plan is not deployable
         mods = {m.split(".")[0] for m in _imported_modules(code)}
-        assert mods <= {"torch", "__future__"}, (label, mods)
+        assert mods <= TORCH_ONLY, (label, mods)
         default = _imported_modules(plan.code())
         assert {m for m in default if m.startswith("shardc")} <= {"shardc.runtime"}, label
         seen += 1
