@@ -10,6 +10,7 @@ every node that passes the ``--layer`` / ``--op`` filters.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from tabulate import tabulate
 
@@ -187,9 +188,16 @@ def _is_plan_file(path: str) -> bool:
 
 
 def run(args) -> int:
+    from shardc.backends.atomic import check_single_file_target
     from shardc.frontends import load_graph
 
+    if args.out:  # before any work: a symlink / device / FIFO is refused, never replaced
+        check_single_file_target(Path(args.out), f"--out {args.out}")
     if _is_plan_file(args.model):  # shapes at the plan's workload (plan.json nodes)
+        for flag, given in (("--mesh", args.mesh), ("--tiny", args.tiny)):
+            if given:
+                raise InputError(f"{flag}: not used with a plan.json (its graph, mesh and "
+                                 "sizes are the plan's); give the model instead")
         from shardc.commands.reports import plan_note
         from shardc.plan import load_plan
 

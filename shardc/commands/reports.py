@@ -10,7 +10,13 @@ from pathlib import Path
 
 from shardc.backends.atomic import write_outputs  # re-exported: the writer compile uses
 
-__all__ = ["graph_dot", "graph_table", "write_outputs"]
+__all__ = ["COMPILE_OUTPUTS", "graph_dot", "graph_table", "write_outputs"]
+
+# Every name a ``shardc compile`` output set may hold (any phase, mode, engine): a compile
+# into a folder removes those of an earlier compile that its own set does not have.
+COMPILE_OUTPUTS = ("plan.json", "graph.txt", "graph.dot", "trace.json", "search.png",
+                   "pareto.png", "parallelize.py", "parallelize_*.py", "launch/vllm_*.sh",
+                   "launch/sglang_*.sh", "launch/trtllm_*.sh")
 
 GRAPH_TABLE_HEADERS = ("node", "op", "shape", "placements", "collective inserted")
 

@@ -130,6 +130,7 @@ def _plot_search(path, plan, outcome) -> str:
 
 def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     from shardc.commands.reports import (
+        COMPILE_OUTPUTS,
         graph_dot,
         graph_table,
         plan_note,
@@ -157,7 +158,7 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     from shardc.commands.compile import launch_files, launch_summary_lines
 
     files.update(launch_files(plan))
-    written = write_outputs(out, files)
+    written = write_outputs(out, files, owned=COMPILE_OUTPUTS)
     print(serve_summary(plan))
     for line in launch_summary_lines(plan):
         print(line)
