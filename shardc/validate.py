@@ -164,10 +164,44 @@ def _finite_float(text: str) -> float:
     return x
 
 
+MAX_NESTING = 64  # levels of nested arrays / objects in a JSON or TOML input (plan.json: 6)
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {_shown_text(key)}")
+        out[key] = value
+    return out
+
+
+def check_nesting(value, what: str = "JSON") -> None:
+    """ValueError when ``value`` (parsed JSON / TOML) nests arrays or objects deeper than
+    :data:`MAX_NESTING` levels (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > MAX_NESTING:
+                    raise ValueError(f"{what} nested more than {MAX_NESTING} levels deep")
+                stack.append((child, depth + 1))
+
+
 def loads_strict_json(text: str):
-    """``json.loads`` that refuses ``NaN``, ``Infinity`` and numbers that overflow a float
-    (ValueError, like any other JSON error)."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    """``json.loads`` that refuses ``NaN``, ``Infinity``, numbers that overflow a float,
+    a key given twice in one object and nesting deeper than :data:`MAX_NESTING` (ValueError,
+    like any other JSON error; a parser's RecursionError becomes one too)."""
+    try:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError(f"JSON nested more than {MAX_NESTING} levels deep") from None
+    check_nesting(data)
+    return data
 
 
 def dumps_strict_json(obj, **kwargs) -> str:

@@ -169,6 +169,50 @@ def _degree_caps(strategy, world: int) -> dict[str, int]:
     return {n: math.gcd(getattr(deg, n), world) for n in ("tp", "ep", "pp", "dp")}
 
 
+def _roles(rows, layers=None) -> dict:
+    """``{layer or None: {(name pattern, op)}}`` of params rows (layer and expert indices
+    written ``*``: what survives scaling a model down to its tiny variant)."""
+    from shardc.fingerprint import name_pattern
+
+    out: dict = {}
+    for r in rows:
+        layer = r.get("layer")
+        if layers is None or layer in layers or layer is None:
+            out.setdefault(layer, set()).add((name_pattern(str(r["fqn"])), r.get("op")))
+    return out
+
+
+def check_tiny_matches(plan, graph, strategy, layer_kinds, model) -> None:
+    """InputError naming the first difference unless the tiny model has the plan's
+    parameters by name pattern and role (:func:`_roles`): globally, and each tiny layer
+    against the plan's layer it plays (``config.shardc_source_layers``, else the first plan
+    layer of its kind). The plan's own rows are compared, not rows rebuilt from the tiny
+    model, so a hand-edited row (deleted, moved, another op) or another model is refused."""
+    from shardc.backends.layout import param_plan
+    from shardc.errors import InputError
+    from shardc.ir.strategy import Degrees, Strategy
+
+    kind_of = {i: k for k, ls in layer_kinds.items() for i in ls}
+    unsharded = Strategy(Degrees(tp=1, pp=1, ep=1, dp=1), 1, dict(strategy.choices))
+    tiny = _roles(param_plan(graph, unsharded, kind_of))  # roles do not depend on degrees
+    planned = _roles(plan.params)
+    source = getattr(getattr(model, "config", None), "shardc_source_layers", None)
+    first_of_kind = {k["name"]: k["layers"][0] for k in plan.layer_kinds if k.get("layers")}
+
+    def differ(where: str, want: set, have: set) -> None:
+        for pattern, op in sorted(want - have, key=str):
+            raise InputError(f"the model does not match the plan: {where}the plan's parameter "
+                             f"{pattern} ({op or 'no fused op'}) is not in the model")
+        for pattern, op in sorted(have - want, key=str):
+            raise InputError(f"the model does not match the plan: {where}the model's parameter "
+                             f"{pattern} ({op or 'no fused op'}) is not in the plan")
+
+    differ("", planned.get(None, set()), tiny.get(None, set()))
+    for i in sorted(k for k in tiny if k is not None):
+        orig = source[i] if source and i < len(source) else first_of_kind.get(kind_of.get(i))
+        differ(f"layer {i} (the plan's layer {orig}): ", planned.get(orig, set()), tiny[i])
+
+
 def tiny_plan(plan, graph, strategy, layer_kinds):
     """``plan`` for the tiny model of ``graph`` at the scaled ``strategy``: the same choices,
     the scaled degrees and mesh, the tiny layers under the plan's layer kinds and the tiny
@@ -176,18 +220,21 @@ def tiny_plan(plan, graph, strategy, layer_kinds):
     from dataclasses import replace
 
     from shardc.backends.layout import param_plan
+    from shardc.fingerprint import fingerprint
 
     deg = strategy.degrees
     shape, names = deg.logical_mesh()
     kind_of = {i: k for k, ls in layer_kinds.items() for i in ls}
+    rows = param_plan(graph, strategy, kind_of)
     return replace(plan, degrees=dict(deg.as_dict()),
                    logical_mesh={"shape": list(shape), "dim_names": list(names)},
                    spmd_dims=deg.spmd_dims(),
                    mesh={**plan.mesh, "gpus_per_node": deg.world, "nodes": 1},
-                   model={**plan.model, "layers": graph.num_layers},
+                   model={**plan.model, "layers": graph.num_layers,
+                          "fingerprint": fingerprint(rows)},
                    layer_kinds=[{"name": k, "count": len(ls), "layers": list(ls)}
                                 for k, ls in layer_kinds.items()],
-                   params=param_plan(graph, strategy, kind_of), nodes=[])
+                   params=rows, nodes=[])
 
 
 def run(args) -> int:
@@ -218,6 +265,7 @@ def run(args) -> int:
     problem = backend_problem(model)
     graph = graph_from_module(model, inputs, name=src.name)
     kinds = _tiny_layer_kinds(graph, model, plan)
+    check_tiny_matches(plan, graph, plan.strategy(), kinds, model)
     strategy, notes = fit_degrees(graph, plan.strategy(), kinds, args.world)
     deg = strategy.degrees
     scaled = replace(tiny_plan(plan, graph, strategy, kinds), backend={})
