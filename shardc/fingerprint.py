@@ -22,7 +22,7 @@ import hashlib
 import json
 import re
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+_INDEX = re.compile(r"(?<=\.)[0-9]+(?=\.|$)|^[0-9]+(?=\.)")
 
 
 class ModelMismatch(ValueError):

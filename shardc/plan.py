@@ -106,6 +106,8 @@ class Plan:
         the parameters this plan was made for (names and shapes)."""
         from shardc.fingerprint import check_model
 
+        if not callable(getattr(model, "named_parameters", None)):
+            raise InputError(f"expected a torch nn.Module, got {type(model).__name__}")
         try:
             check_model(model, self.fingerprint())
         except ModelMismatch as e:
@@ -139,8 +141,13 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write plan.json atomically (temp file in the same directory + os.replace), as
         strict JSON (a NaN or infinity is a bug: ValueError)."""
+        import os
+
         from shardc.backends.atomic import write_file_atomic
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"Plan.save: expected a path (str or Path), got "
+                             f"{type(path).__name__}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_file_atomic(path, dumps_strict_json(self.to_dict(), indent=2) + "\n",
@@ -306,6 +313,10 @@ def _head_counts(g: Graph) -> dict:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; any problem is an :class:`InputError` naming it."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"load_plan: expected a path (str or Path), got {type(path).__name__}")
     path = Path(path)
     try:
         data = loads_strict_json(path.read_bytes().decode("utf-8"))

@@ -29,7 +29,7 @@ MAX_BUDGET = 10_000_000  # simulator evaluations of one search
 MAX_SEED = 2**32 - 1
 MAX_COUNT = 1_000_000  # other counts (seeds, jobs, layer index)
 
-_INT_RE = re.compile(r"^\s*[+-]?\d{1,30}\s*$")  # more digits than 30 is out of any range
+_INT_RE = re.compile(r"^\s*[+-]?[0-9]{1,30}\s*$")  # more digits than 30 is out of any range
 
 
 def check_number(value, what: str, *, integer: bool = False, minimum: float | None = None,
@@ -107,6 +107,8 @@ def parse_float_text(text: str, what: str, **bounds) -> float:
     :func:`check_number` (keywords ``minimum``, ``maximum``, ``above``, ``unit``)."""
     s = str(text).strip()
     try:
+        if not s.isascii():  # float() reads "１" (a fullwidth digit) as 1
+            raise ValueError(s)
         value = float(s)
     except ValueError:
         raise InputError(_bad(what, _shown_text(s), describe_range(
@@ -139,6 +141,27 @@ def float_arg(above: float | None = 0.0, maximum: float | None = None,
     """argparse ``type=`` for a finite float flag (by default ``> 0``)."""
     return _arg(parse_float_text, "number", above=above, maximum=maximum, minimum=minimum,
                 unit=unit)
+
+
+def ascii_int(text: str) -> int:
+    """argparse ``type=``: an integer in ASCII digits, any value (the command checks the
+    range with its own message); ``int()`` would read ``"２"`` as 2."""
+    if not _INT_RE.match(str(text)):
+        raise argparse.ArgumentTypeError(f"{_shown_text(str(text))}: expected an integer "
+                                         "(digits 0-9)")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """argparse ``type=``: a number in ASCII (``nan`` / ``inf`` pass, for the command's own
+    message); ``float()`` would read fullwidth digits."""
+    s = str(text).strip()
+    try:
+        if not s.isascii():
+            raise ValueError(s)
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown_text(s)}: expected a number") from None
 
 
 def batch_arg(text: str):

@@ -96,6 +96,9 @@ def plot_pareto(path, plan) -> str:
     title = (f"{plan.model['name']} on {plan.mesh['gpus_per_node']}x{plan.mesh['nodes']} "
              f"{plan.mesh['hardware']} | ISL {plan.workload['isl']} OSL {plan.workload['osl']}, "
              f"TTFT <= {plan.workload['ttft_slo_ms']:g} ms")
+    from shardc.text import clean_text  # no control character reaches matplotlib
+
+    title = clean_text(title, 400)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("tokens/s per user (1000 / TPOT)")
     ax.set_ylabel("output tokens/s per GPU")

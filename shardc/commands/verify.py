@@ -19,6 +19,11 @@ import itertools
 import math
 import sys
 
+from shardc.validate import ascii_float, ascii_int
+
+MAX_WORLD = 64  # local gloo processes one verify starts (each builds the tiny model)
+MAX_SEQ = 4096  # tokens per sequence of the check's batch
+
 HELP = ("Run plan.json on N local gloo processes with the model's tiny variant and compare "
         "logits.")
 
@@ -27,9 +32,12 @@ def add_arguments(p) -> None:
     p.add_argument("model", help="model file (.py) providing tiny_model() or a small "
                    "build_model(), or an HF config.json (a tiny variant is derived from it)")
     p.add_argument("--plan", required=True, help="plan.json written by shardc compile")
-    p.add_argument("--world", type=int, default=4, help="number of local processes (default 4)")
-    p.add_argument("--tol", type=float, default=1e-4, help="max relative error, finite and > 0 (default 1e-4)")
-    p.add_argument("--seq", type=int, default=8, help="tokens per sequence (default 8)")
+    p.add_argument("--world", type=ascii_int, default=4,
+                   help=f"number of local processes (default 4, at most {MAX_WORLD})")
+    p.add_argument("--tol", type=ascii_float, default=1e-4,
+                   help="max relative error, finite and > 0 (default 1e-4)")
+    p.add_argument("--seq", type=ascii_int, default=8,
+                   help=f"tokens per sequence (default 8, at most {MAX_SEQ})")
 
 
 def _divisors(n: int) -> list[int]:
@@ -151,15 +159,20 @@ def _source_kinds(graph, model, plan) -> dict[str, list[int]] | None:
 
 
 def _check_args(args) -> None:
+    """The flags' bounds again (the command's ``run`` may be called without the parser)."""
     from shardc.errors import InputError
+    from shardc.validate import check_number
 
-    if args.world < 1:
+    if isinstance(args.world, bool) or not isinstance(args.world, int) or args.world < 1:
         raise InputError("--world must be a positive number of processes")
-    if not (math.isfinite(args.tol) and args.tol > 0):
+    check_number(args.world, "--world", integer=True, minimum=1, maximum=MAX_WORLD,
+                 unit="processes")
+    if not (isinstance(args.tol, (int, float)) and math.isfinite(args.tol) and args.tol > 0):
         raise InputError(f"--tol {args.tol}: expected a finite positive number (max relative "
                          "error, e.g. 1e-4)")
-    if args.seq < 1:
+    if isinstance(args.seq, bool) or not isinstance(args.seq, int) or args.seq < 1:
         raise InputError(f"--seq {args.seq}: expected a positive number of tokens per sequence")
+    check_number(args.seq, "--seq", integer=True, minimum=1, maximum=MAX_SEQ, unit="tokens")
 
 
 def _degree_caps(strategy, world: int) -> dict[str, int]:
