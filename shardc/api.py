@@ -33,7 +33,6 @@ def load_model_graph(model, example_inputs=None, name: str | None = None) -> Gra
         if example_inputs is None:
             raise InputError("compile(model=nn.Module) needs example_inputs")
         from shardc.frontends import graph_from_module
-
         from shardc.text import clean_text
 
         return graph_from_module(model, tuple(example_inputs),

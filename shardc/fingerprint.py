@@ -12,8 +12,8 @@ A plan records its model's parameter table (plan.json ``model.fingerprint``):
 :func:`check_model` compares a model's ``named_parameters()`` with the table and raises
 :class:`ModelMismatch` (a ``ValueError``) naming the first difference; ``Plan.apply``, the
 emitted ``parallelize.py`` (both runtimes) and ``shardc verify`` call it before placing
-anything. :func:`check_placed` checks afterwards that every parameter the plan splits was
-split.
+anything (that every parameter was then placed is the runtime's own check:
+``ModelSharder.finish``).
 """
 
 from __future__ import annotations
@@ -98,13 +98,3 @@ def check_model(model, expected: dict) -> None:
     why = first_difference(model_shapes(model), expected)
     if why is not None:
         raise ModelMismatch(f"the model does not match the plan: {why}")
-
-
-def check_placed(model, split: list[str]) -> None:
-    """:class:`ModelMismatch` unless every parameter named in ``split`` (those the plan
-    splits, on this rank) is a distributed tensor now."""
-    params = dict(model.named_parameters())
-    missed = [f for f in split if f in params and not hasattr(params[f], "placements")]
-    if missed:
-        raise ModelMismatch(f"{len(missed)} parameter(s) the plan splits were not placed, "
-                            f"e.g. {missed[0]}")

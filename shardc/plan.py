@@ -15,7 +15,9 @@ the graph, :mod:`shardc.ir.param_roles`, with ``expert_dim`` / ``parts`` / ``tie
 they apply; a plan without them still loads: :func:`shardc.backends.layout.rows_with_ops`);
 every ``nodes`` entry also has ``inputs`` (producer node names) and ``token_dims``, and its
 ``shape`` is at the plan's workload (one decode step / one prefill pass of one replica, see
-:mod:`shardc.ir.token_dims`), not the traced example's.
+:mod:`shardc.ir.token_dims`), not the traced example's. ``model.fingerprint`` is the model's
+parameter table (:mod:`shardc.fingerprint`): loading checks the rows against it, and
+:meth:`Plan.apply` / ``parallelize.py`` refuse a model that does not match it.
 """
 
 from __future__ import annotations
@@ -176,10 +178,7 @@ class Plan:
         self.check_model(model)  # before anything is placed: exit 2 naming the difference
         module = types.ModuleType("shardc_parallelize")
         exec(compile(self.code(), "<parallelize.py>", "exec"), module.__dict__)  # noqa: S102
-        try:
-            return module.parallelize(model, device_mesh)
-        except ModelMismatch as e:  # the file's own checks (placed: every split parameter)
-            raise InputError(str(e)) from None
+        return module.parallelize(model, device_mesh)
 
 
 # ---------------------------------------------------------------------- construction
