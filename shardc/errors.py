@@ -59,17 +59,17 @@ def terminated_error(signum: int, what: str = "") -> Terminated:
 @contextmanager
 def signals_end_the_run(what: str = ""):
     """While the block runs (main thread only), SIGTERM raises :class:`Terminated` (exit 143)
-    and SIGINT ``KeyboardInterrupt`` (exit 130), each recorded first (module docstring); a
-    second signal is ignored until the block ends, so clean-ups run. Nested uses keep the
-    outer handlers. The previous handlers are restored afterwards."""
+    and SIGINT ``KeyboardInterrupt`` (exit 130), each recorded first (module docstring);
+    inside :func:`signals_deferred` they are only recorded. Nested uses keep the outer
+    handlers. The previous handlers are restored afterwards."""
     if threading.current_thread() is not threading.main_thread() or _installed:
         yield
         return
 
     def handler(signum, frame):
         _received.append(signum)
-        for s in SIGNAL_EXIT:  # the clean-up must not be cut short
-            signal.signal(s, signal.SIG_IGN)
+        if _deferring:  # an atomic step is under way: it checks signal_received() itself
+            return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise terminated_error(signum, what)
@@ -85,7 +85,20 @@ def signals_end_the_run(what: str = ""):
         _installed.clear()
 
 
+@contextmanager
+def signals_deferred():
+    """Inside :func:`signals_end_the_run`: a signal is recorded but raises nothing until the
+    block ends (so a write and its roll-back are never cut in the middle); the block checks
+    :func:`check_not_terminated` where stopping is safe."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+
+
 _installed: list[bool] = []
+_deferring: list[bool] = []
 
 
 def check_not_terminated(what: str = "") -> None:

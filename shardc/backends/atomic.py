@@ -40,7 +40,12 @@ import tempfile
 import time
 from pathlib import Path, PurePosixPath
 
-from shardc.errors import InputError, check_not_terminated, signals_end_the_run
+from shardc.errors import (
+    InputError,
+    check_not_terminated,
+    signals_deferred,
+    signals_end_the_run,
+)
 from shardc.validate import dumps_strict_json
 
 STAGING_PREFIX = ".shardc-tmp-"
@@ -283,19 +288,20 @@ def write_outputs(out_dir: str | Path, files: dict[str, object],
         staging, created = _make_staging(out)
         done = False
         try:
-            for name, content in files.items():
+            for name, content in files.items():  # a signal here raises: staging only
                 _produce(staging / name, content)
-            check_not_terminated(f"writing outputs to {given}")
-            if not os.path.lexists(out):
-                os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it private
-                try:
-                    os.rename(staging, out)  # the whole set in one step
+            with signals_deferred():  # publishing (or rolling back) is never cut short
+                check_not_terminated(f"writing outputs to {given}")
+                if not os.path.lexists(out):
+                    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it private
+                    try:
+                        os.rename(staging, out)  # the whole set in one step
+                        done = True
+                    except OSError:  # created meanwhile: replace file by file
+                        pass
+                if not done:
+                    _replace_into(staging, out, names, stale)
                     done = True
-                except OSError:  # created meanwhile: replace file by file
-                    pass
-            if not done:
-                _replace_into(staging, out, names, stale)
-                done = True
         except OSError as e:
             kept = "; the previous outputs were left as they were" if previous else ""
             raise InputError(f"{given}: cannot write outputs there ({e.strerror or e}){kept}") \
@@ -347,9 +353,10 @@ def write_file_atomic(path: str | Path, content, what: str) -> Path:
             os.close(fd)
             os.chmod(tmp, 0o666 & ~_umask())
             _produce(Path(tmp), content)
-            check_not_terminated(f"writing {path}")
-            os.replace(tmp, target)
-            tmp = None
+            with signals_deferred():
+                check_not_terminated(f"writing {path}")
+                os.replace(tmp, target)
+                tmp = None
         except OSError as e:
             raise InputError(f"{what}: cannot write ({e.strerror or e})") from None
         finally:
