@@ -22,7 +22,7 @@ import hashlib
 import json
 import re
 
-_INDEX = re.compile(r"(?<=\.)[0-9]+(?=\.|$)|^[0-9]+(?=\.)")
+_index_pattern = re.compile(r"(?<=\.)[0-9]+(?=\.|$)|^[0-9]+(?=\.)")
 
 
 class ModelMismatch(ValueError):
@@ -33,7 +33,7 @@ class ModelMismatch(ValueError):
 def name_pattern(fqn: str) -> str:
     """``fqn`` with every all-digit path component replaced by ``*`` (layer and expert
     indices)."""
-    return _INDEX.sub("*", fqn)
+    return _index_pattern.sub("*", fqn)
 
 
 def _digest(items) -> str:

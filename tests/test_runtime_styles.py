@@ -222,7 +222,8 @@ def test_standalone_imports_only_torch(emitted):
     for name, (_, path) in emitted.items():
         mods = _imported_modules(path.read_text())
         if name.endswith("(default file)"):  # torch + the torch-only runtime
-            assert mods == {"torch", "torch.distributed.device_mesh", "shardc.runtime"}, mods
+            assert mods == {"torch", "torch.distributed.device_mesh", "shardc.runtime",
+                            "shardc.fingerprint"}, mods
             assert "parallelize_module(layers[i], tp_mesh, {" in path.read_text()
             continue
         assert {m.split(".")[0] for m in mods} <= TORCH_ONLY, (name, mods)
