@@ -88,19 +88,26 @@ def _config(tmp_path: Path, name: str, **extra) -> Path:
 
 
 def test_hostile_model_and_hardware_names_stay_text(tmp_path, monkeypatch, capsys):
+    from shardc.text import clean_text
+
     model_name, hw_name = PAYLOADS[0], PAYLOADS[0].replace("x", "h100", 1)
     config = _config(tmp_path, model_name)
     toml = tmp_path / "hw.toml"
     toml.write_text(f'base = "h100"\nname = {json.dumps(hw_name)}\n')
     out = tmp_path / "out"
+    # a hardware name is validated (issue 25): letters, digits, . _ - + only
     code = main(["compile", str(config), "--mesh", "2x1", "--hardware", str(toml),
                  "--search", "megatron", "--budget", "10", "--quiet", "--out", str(out)])
+    assert code == 2 and "name = " in capsys.readouterr().err and not out.exists()
+    code = main(["compile", str(config), "--mesh", "2x1", "--search", "megatron", "--budget",
+                 "10", "--quiet", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     src = (out / "parallelize.py").read_text()
     module = assert_inert(src, tmp_path, monkeypatch)
-    # the names are still there, as text: the docstring reads them back exactly
-    assert model_name in module.__doc__ and hw_name in module.__doc__
-    assert json.loads((out / "plan.json").read_text())["mesh"]["hardware"] == hw_name
+    # the model name is still there, as text (made printable first: its newline is "?")
+    shown = clean_text(model_name)
+    assert shown != model_name and shown in module.__doc__
+    assert json.loads((out / "plan.json").read_text())["model"]["name"] == shown
 
 
 @pytest.fixture(scope="module")
