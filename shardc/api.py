@@ -118,7 +118,10 @@ def check_compile_args(*, example_inputs, mesh, hardware, workload, search, budg
                    for k, v in degrees.items()):
             raise InputError("degrees: expected {name: int} (tp, pp, ep, dp; sp: int, 'on' or "
                              "'off')")
-        fixed = parse_degree_fields(",".join(f"{k}={v}" for k, v in degrees.items()))
+        from shardc.ir.strategy import SP_ON  # what parse_degree_fields makes of sp=on
+
+        fixed = parse_degree_fields(",".join(
+            f"{k}={'on' if k == 'sp' and v == SP_ON else v}" for k, v in degrees.items()))
     else:
         raise InputError(f"degrees: expected 'tp=8,pp=2' or a dict, got {_kind(degrees)}")
     return budget, seed, fixed
