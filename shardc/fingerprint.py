@@ -11,9 +11,8 @@ A plan records its model's parameter table (plan.json ``model.fingerprint``):
 
 :func:`check_model` compares a model's ``named_parameters()`` with the table and raises
 :class:`ModelMismatch` (a ``ValueError``) naming the first difference; ``Plan.apply``, the
-emitted ``parallelize.py`` (both runtimes) and ``shardc verify`` call it before placing
-anything (that every parameter was then placed is the runtime's own check:
-``ModelSharder.finish``).
+emitted ``parallelize.py`` (the default file and the ``--standalone`` one, which inlines
+this module) and ``shardc verify`` call it before placing anything.
 """
 
 from __future__ import annotations

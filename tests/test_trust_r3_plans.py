@@ -1,6 +1,6 @@
 """Trust round 3 (issue 25), plans belong to models: plan.json records its model's parameter
-table (``model.fingerprint``); ``Plan.apply``, the emitted ``parallelize.py`` (both
-runtimes) and ``shardc verify`` refuse another model naming the first difference, and a
+table (``model.fingerprint``); ``Plan.apply``, the emitted ``parallelize.py`` (default
+and ``--standalone``) and ``shardc verify`` refuse another model naming the first difference, and a
 hand-edited plan (row deleted or moved, ``"ops": []``, ``tp: 2.0``, a key twice) is refused
 with one line. Each test failed on main before the fix."""
 
