@@ -5,8 +5,8 @@ A plan records its model's parameter table (plan.json ``model.fingerprint``):
 * ``table``: ``[[pattern, shape, count], ...]`` -- each parameter name with every numeric
   path component written ``*`` (``model.layers.*.mlp.experts.*.w1.weight``), its shape and
   how many parameters share both; readable, a few dozen rows even for DeepSeek-V3;
-* ``params``: SHA-256 of the exact table (every name and shape, sorted by name);
-* ``roles``: SHA-256 of every params row's name, fused op and decoder layer (the plan's own
+* ``params``: a checksum of the exact table (every name and shape);
+* ``roles``: a checksum of every params row's name, fused op and decoder layer (the plan's own
   rows: a row deleted, moved to another layer or given another op no longer matches).
 
 :func:`check_model` compares a model's ``named_parameters()`` with the table and raises
@@ -17,11 +17,7 @@ this module) and ``shardc verify`` call it before placing anything.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
-
-_index_pattern = re.compile(r"(?<=\.)[0-9]+(?=\.|$)|^[0-9]+(?=\.)")
+_DIGEST_MODULUS = (1 << 127) - 1  # a Mersenne prime: digests are 32 hex digits
 
 
 class ModelMismatch(ValueError):
@@ -32,12 +28,16 @@ class ModelMismatch(ValueError):
 def name_pattern(fqn: str) -> str:
     """``fqn`` with every all-digit path component replaced by ``*`` (layer and expert
     indices)."""
-    return _index_pattern.sub("*", fqn)
+    return ".".join("*" if p.isdigit() and p.isascii() else p for p in str(fqn).split("."))
 
 
 def _digest(items) -> str:
-    text = json.dumps(sorted(items), separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+    """A checksum of ``items`` (lists of str / int / None; order-independent): the ASCII
+    text of the sorted items as one integer modulo 2^127 - 1. It tells an edited table from
+    the recorded one; it is not a signature (anyone can recompute it), and needs no import
+    (the ``--standalone`` file imports only torch)."""
+    text = ascii(sorted(items, key=ascii))
+    return f"{int.from_bytes(text.encode('ascii'), 'big') % _DIGEST_MODULUS:032x}"
 
 
 def table_of(shapes: dict[str, list[int]]) -> list[list]:

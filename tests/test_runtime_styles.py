@@ -354,7 +354,7 @@ def test_formerly_uncovered_attention_plans_get_torch_files(degrees, choices, st
     plan = build(LLAMA, degrees, choices)
     assert style in plan.code(standalone=True)
     assert {m for m in _imported_modules(plan.code()) if m.startswith("shardc")} == \
-        {"shardc.runtime"}
+        {"shardc.runtime", "shardc.fingerprint"}  # the runtime and the model check
 
 
 def test_formerly_uncovered_experts_and_gpt2_stages_get_torch_files(tmp_path):
