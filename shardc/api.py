@@ -33,8 +33,10 @@ def load_model_graph(model, example_inputs=None, name: str | None = None) -> Gra
         if example_inputs is None:
             raise InputError("compile(model=nn.Module) needs example_inputs")
         from shardc.frontends import graph_from_module
+        from shardc.text import clean_text
 
-        return graph_from_module(model, tuple(example_inputs), name=name or type(model).__name__)
+        return graph_from_module(model, tuple(example_inputs),
+                                 name=clean_text(name or type(model).__name__))
     raise InputError(f"cannot compile a {type(model).__name__}: give a path, nn.Module or Graph")
 
 
@@ -67,6 +69,62 @@ def check_kernels(kernels: str, engine: str) -> None:
                          "or a calibrated table (.npz)")
     if engine not in ENGINES:
         raise InputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+
+
+def _kind(value) -> str:
+    return type(value).__name__
+
+
+def check_compile_args(*, example_inputs, mesh, hardware, workload, search, budget, seed,
+                       progress, name, degrees, kernels, engine, allow_cross_node_tp):
+    """The library's arguments checked as the command line checks its flags (same bounds:
+    :mod:`shardc.validate`), each refusal an :class:`InputError` naming the argument.
+    Returns (budget, seed, fixed degrees)."""
+    from shardc.cost.hardware_presets import Hardware
+    from shardc.validate import MAX_BUDGET, MAX_SEED, check_number
+
+    if not isinstance(search, str) or search not in POLICIES:
+        raise InputError(f"search = {search!r:.40}: expected one of {', '.join(POLICIES)}")
+    if not isinstance(kernels, str) or not isinstance(engine, str):
+        raise InputError(f"kernels / engine: expected names (str), got {_kind(kernels)} / "
+                         f"{_kind(engine)}")
+    check_kernels(kernels, engine)
+    budget = check_number(budget, "budget", integer=True, minimum=1, maximum=MAX_BUDGET,
+                          unit="evaluations")
+    seed = check_number(seed, "seed", integer=True, minimum=0, maximum=MAX_SEED)
+    if not isinstance(mesh, (str, Mesh)):
+        raise InputError(f"mesh: expected 'GxN' (str) or a Mesh, got {_kind(mesh)}")
+    if not isinstance(hardware, (str, Hardware)):
+        raise InputError(f"hardware: expected a preset name or TOML path (str), got "
+                         f"{_kind(hardware)}")
+    if workload is not None and not isinstance(workload, Workload):
+        raise InputError(f"workload: expected a shardc.Workload, got {_kind(workload)}")
+    if progress is not None and not callable(progress):
+        raise InputError(f"progress: expected a callable (evaluations, best), got "
+                         f"{_kind(progress)}")
+    if name is not None and not isinstance(name, str):
+        raise InputError(f"name: expected a str, got {_kind(name)}")
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        raise InputError(f"example_inputs: expected a tuple of tensors, got "
+                         f"{_kind(example_inputs)}")
+    if not isinstance(allow_cross_node_tp, bool):
+        raise InputError(f"allow_cross_node_tp: expected True or False, got "
+                         f"{_kind(allow_cross_node_tp)}")
+    if degrees is None or isinstance(degrees, str):
+        fixed = parse_degree_fields(degrees or "")
+    elif isinstance(degrees, dict):
+        if not all(isinstance(k, str) and (v in ("on", "off") if isinstance(v, str) else
+                                           isinstance(v, int) and not isinstance(v, bool))
+                   for k, v in degrees.items()):
+            raise InputError("degrees: expected {name: int} (tp, pp, ep, dp; sp: int, 'on' or "
+                             "'off')")
+        from shardc.ir.strategy import SP_ON  # what parse_degree_fields makes of sp=on
+
+        fixed = parse_degree_fields(",".join(
+            f"{k}={'on' if k == 'sp' and v == SP_ON else v}" for k, v in degrees.items()))
+    else:
+        raise InputError(f"degrees: expected 'tp=8,pp=2' or a dict, got {_kind(degrees)}")
+    return budget, seed, fixed
 
 
 def compile(model, example_inputs=None, mesh: str | Mesh = "8x1", hardware: str = "h100",
@@ -135,15 +193,17 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
     from shardc.ir.checkpoint import checkpoint_weights
     from shardc.plan import build_plan
 
-    if search not in POLICIES:
-        raise InputError(f"--search {search!r}: expected one of {', '.join(POLICIES)}")
+    if not isinstance(search, str) or search not in POLICIES:
+        raise InputError(f"search = {search!r:.40}: expected one of {', '.join(POLICIES)}")
+    if engine is not None and not isinstance(engine, str):
+        raise InputError(f"engine: expected a name (str), got {_kind(engine)}")
     engine = resolve_engine(runtime, engine)
-    check_kernels(kernels, engine)
+    budget, seed, fixed = check_compile_args(
+        example_inputs=example_inputs, mesh=mesh, hardware=hardware, workload=workload,
+        search=search, budget=budget, seed=seed, progress=progress, name=name,
+        degrees=degrees, kernels=kernels, engine=engine,
+        allow_cross_node_tp=allow_cross_node_tp)
     model_id = launch_model_id(model, hf_id) if launch else None  # bad ids before tracing
-    if int(budget) < 1:
-        raise InputError("--budget must be a positive number of evaluations")
-    if int(seed) < 0:
-        raise InputError(f"--seed {seed}: expected a non-negative integer")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
     if weights_from_checkpoint is None:
         weights_from_checkpoint = workload is None
@@ -154,7 +214,6 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                                               bool(weights_from_checkpoint))
     verdict = backend_verdict(model) if check_backend else {}
     t0 = time.perf_counter()
-    fixed = parse_degree_fields(degrees) if isinstance(degrees, str) else dict(degrees or {})
     if workload.phase == "serve":
         plan, out = compile_serve(graph, mesh, hw, workload, search, int(budget), int(seed),
                                   progress, fixed, t0, kernels=kernels, engine=engine,

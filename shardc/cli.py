@@ -15,9 +15,10 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 
-from shardc.errors import ShardcError, debugging
+from shardc.errors import SIGNAL_EXIT, ShardcError, debugging, signal_received, signals_end_the_run
 
 COMMANDS = ("compile", "inspect", "simulate", "bench", "verify", "calibrate")
 
@@ -79,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except _BadFlagValue as e:
         return int(e.code)
+    with signals_end_the_run():
+        code = _run(args)
+        signum = signal_received()  # a library may have caught the signal's exception
+    if signum is not None and code != SIGNAL_EXIT[signum]:
+        if code == 0:  # finished (outputs, if any, were published before the signal came)
+            sys.stderr.write(f"shardc: error: terminated by {signal.Signals(signum).name}\n")
+        return SIGNAL_EXIT[signum]
+    return code
+
+
+def _run(args) -> int:
     try:
         return int(args._run(args) or 0)
     except ShardcError as e:

@@ -15,7 +15,9 @@ the graph, :mod:`shardc.ir.param_roles`, with ``expert_dim`` / ``parts`` / ``tie
 they apply; a plan without them still loads: :func:`shardc.backends.layout.rows_with_ops`);
 every ``nodes`` entry also has ``inputs`` (producer node names) and ``token_dims``, and its
 ``shape`` is at the plan's workload (one decode step / one prefill pass of one replica, see
-:mod:`shardc.ir.token_dims`), not the traced example's.
+:mod:`shardc.ir.token_dims`), not the traced example's. ``model.fingerprint`` is the model's
+parameter table (:mod:`shardc.fingerprint`): loading checks the rows against it, and
+:meth:`Plan.apply` / ``parallelize.py`` refuse a model that does not match it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shardc.errors import InputError
+from shardc.fingerprint import ModelMismatch, fingerprint
 from shardc.ir.contract import (
     BRANCHES,
     CHOICE_NAMES,
@@ -95,6 +98,23 @@ class Plan:
         choices = {o["name"]: CHOICE_NAMES[o["kind"]].index(o["choice"]) for o in self.ops}
         return Strategy(deg, int(self.workload.get("batch") or 1), choices)
 
+    def fingerprint(self) -> dict:
+        """plan.json ``model.fingerprint`` (:mod:`shardc.runtime.fingerprint`): the model's
+        parameter table; a plan without one (written before it existed) gets its rows'."""
+        return self.model.get("fingerprint") or fingerprint(self.params)
+
+    def check_model(self, model) -> None:
+        """InputError naming the first difference unless ``model`` (an ``nn.Module``) has
+        the parameters this plan was made for (names and shapes)."""
+        from shardc.fingerprint import check_model
+
+        if not callable(getattr(model, "named_parameters", None)):
+            raise InputError(f"expected a torch nn.Module, got {type(model).__name__}")
+        try:
+            check_model(model, self.fingerprint())
+        except ModelMismatch as e:
+            raise InputError(str(e)) from None
+
     def layer_kind_map(self) -> dict[str, list[int]]:
         return {k["name"]: list(k["layers"]) for k in self.layer_kinds}
 
@@ -123,8 +143,13 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write plan.json atomically (temp file in the same directory + os.replace), as
         strict JSON (a NaN or infinity is a bug: ValueError)."""
+        import os
+
         from shardc.backends.atomic import write_file_atomic
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"Plan.save: expected a path (str or Path), got "
+                             f"{type(path).__name__}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_file_atomic(path, dumps_strict_json(self.to_dict(), indent=2) + "\n",
@@ -150,6 +175,7 @@ class Plan:
         so running it runs nothing from the plan's text."""
         import types
 
+        self.check_model(model)  # before anything is placed: exit 2 naming the difference
         module = types.ModuleType("shardc_parallelize")
         exec(compile(self.code(), "<parallelize.py>", "exec"), module.__dict__)  # noqa: S102
         return module.parallelize(model, device_mesh)
@@ -243,10 +269,11 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     if serve_workload is not None:
         wl.update(phase="serve", isl=int(serve_workload.isl), osl=int(serve_workload.osl),
                   mode=serve_workload.mode)
+    params = param_plan(g, strategy, kind_of_layer)  # KV heads: from the IR
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
         model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),
-               "source": g.source, **_head_counts(g)},
+               "source": g.source, **_head_counts(g), "fingerprint": fingerprint(params)},
         mesh={"gpus_per_node": mesh.gpus_per_node, "nodes": mesh.nodes, "hardware": hardware},
         workload=wl, degrees=dict(deg.as_dict()),
         logical_mesh={"shape": list(shape), "dim_names": list(names)},
@@ -254,7 +281,7 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers),
                       **attention_variant(k)} for k in g.layer_kinds],
         ops=op_rows(g, strategy, dims),
-        params=param_plan(g, strategy, kind_of_layer),  # KV heads: from the IR
+        params=params,
         nodes=nodes, predicted=_with_runtime(predicted, g, deg, workload.phase),
         baseline=dict(baseline or {}), search=dict(search or {}), serving=dict(serving or {}))
 
@@ -285,6 +312,10 @@ def _head_counts(g: Graph) -> dict:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; any problem is an :class:`InputError` naming it."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"load_plan: expected a path (str or Path), got {type(path).__name__}")
     path = Path(path)
     try:
         data = loads_strict_json(path.read_bytes().decode("utf-8"))
@@ -314,7 +345,7 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
     import jsonschema
 
     schema = json.loads(SCHEMA_PATH.read_text())
-    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    err = jsonschema.exceptions.best_match(_validator(jsonschema)(schema).iter_errors(data))
     if err is not None:
         at = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise InputError(f"{where}: {at}: {err.message}")
@@ -362,6 +393,53 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
                              f"placements for {n_dims} mesh dims {data['spmd_dims']}")
     _check_placements(data, deg, where)
     _check_layers(data, deg, where)
+    _check_rows(data, where)
+
+
+def _validator(jsonschema):
+    """Draft 2020-12 where an ``integer`` is an integer as JSON writes it (``2``, not ``2.0``:
+    a hand-edited ``"tp": 2.0`` is refused, not read as a float degree)."""
+    def is_int(checker, value):
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    base = jsonschema.Draft202012Validator
+    return jsonschema.validators.extend(
+        base, type_checker=base.TYPE_CHECKER.redefine("integer", is_int))
+
+
+def _check_rows(data: dict, where: str) -> None:
+    """The params rows are the model's and the ops cover them: no fqn twice, a row's layer
+    is the layer its name says, the rows match ``model.fingerprint`` (none deleted, moved or
+    given another op; :mod:`shardc.runtime.fingerprint`), and every fused op a row names has
+    its ``ops`` entry (an ``"ops": []`` plan would shard nothing)."""
+    rows = data["params"]
+    seen: set[str] = set()
+    for r in rows:
+        if r["fqn"] in seen:
+            raise InputError(f"{where}: params: {r['fqn']!r} is listed twice")
+        seen.add(r["fqn"])
+        layer = r.get("layer")
+        if layer is not None and str(layer) not in r["fqn"].split("."):
+            raise InputError(f"{where}: params: {r['fqn']!r} says layer {layer}; its name "
+                             "says otherwise")
+    expected = data["model"].get("fingerprint")
+    if expected is not None:
+        got = fingerprint(rows)
+        for key, what in (("params", "names or shapes"), ("roles", "ops or layers"),
+                          ("table", "names or shapes")):
+            if got[key] != expected[key]:
+                raise InputError(f"{where}: params rows do not match model.fingerprint (their "
+                                 f"{what} were edited, or a row was deleted or added)")
+    kind_of = {i: k["name"] for k in data["layer_kinds"] for i in k["layers"]}
+    slots = {o["name"] for o in data["ops"]}
+    for r in rows:
+        op = r.get("op")
+        if op is None or (r.get("layer") is not None and r["layer"] not in kind_of):
+            continue
+        slot = op if r.get("layer") is None else f"{kind_of[r['layer']]}.{op}"
+        if slot not in slots:
+            raise InputError(f"{where}: ops: no entry for {slot!r}, the op of parameter "
+                             f"{r['fqn']!r}")
 
 
 def _check_serving(serving: dict, deg: Degrees, gpus: int, where: str) -> None:

@@ -3,7 +3,9 @@
 * :func:`one_line` -- a value as one line of plain ASCII text for a ``#`` comment or a
   docstring of generated code (no newline, quote or backslash survives unescaped);
 * :func:`out_dir_name` -- a model name as one safe path component (the default ``--out``);
-* :func:`number_or_dash` -- an optional number (``None`` in prefill's TPOT, say) as text.
+* :func:`number_or_dash` -- an optional number (``None`` in prefill's TPOT, say) as text;
+* :func:`clean_text` -- a name from input made printable (no surrogate, control or format
+  character) before it reaches any output: tables, titles of plots, plan.json.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ def one_line(value) -> str:
         else:
             out.append(f"\\U{ord(ch):08x}")
     return "".join(out)
+
+
+CLEAN_TEXT_MAX = 200  # characters of a name kept by clean_text
+
+
+def clean_text(value, max_chars: int = CLEAN_TEXT_MAX) -> str:
+    """``str(value)`` with every character that is not printable (surrogates, control and
+    format characters, line and paragraph separators; ``str.isprintable``) written ``?``,
+    at most ``max_chars`` characters. Printable non-ASCII text (``café``) is kept."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in str(value))
+    return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
 
 
 def out_dir_name(model_name) -> str:

@@ -29,7 +29,7 @@ MAX_BUDGET = 10_000_000  # simulator evaluations of one search
 MAX_SEED = 2**32 - 1
 MAX_COUNT = 1_000_000  # other counts (seeds, jobs, layer index)
 
-_INT_RE = re.compile(r"^\s*[+-]?\d{1,30}\s*$")  # more digits than 30 is out of any range
+_INT_RE = re.compile(r"^\s*[+-]?[0-9]{1,30}\s*$")  # more digits than 30 is out of any range
 
 
 def check_number(value, what: str, *, integer: bool = False, minimum: float | None = None,
@@ -107,6 +107,8 @@ def parse_float_text(text: str, what: str, **bounds) -> float:
     :func:`check_number` (keywords ``minimum``, ``maximum``, ``above``, ``unit``)."""
     s = str(text).strip()
     try:
+        if not s.isascii():  # float() reads "１" (a fullwidth digit) as 1
+            raise ValueError(s)
         value = float(s)
     except ValueError:
         raise InputError(_bad(what, _shown_text(s), describe_range(
@@ -141,6 +143,27 @@ def float_arg(above: float | None = 0.0, maximum: float | None = None,
                 unit=unit)
 
 
+def ascii_int(text: str) -> int:
+    """argparse ``type=``: an integer in ASCII digits, any value (the command checks the
+    range with its own message); ``int()`` would read ``"２"`` as 2."""
+    if not _INT_RE.match(str(text)):
+        raise argparse.ArgumentTypeError(f"{_shown_text(str(text))}: expected an integer "
+                                         "(digits 0-9)")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """argparse ``type=``: a number in ASCII (``nan`` / ``inf`` pass, for the command's own
+    message); ``float()`` would read fullwidth digits."""
+    s = str(text).strip()
+    try:
+        if not s.isascii():
+            raise ValueError(s)
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown_text(s)}: expected a number") from None
+
+
 def batch_arg(text: str):
     """argparse ``type=`` for ``--batch N|auto``: None for auto, else an int in
     ``[1, MAX_BATCH]``."""
@@ -164,10 +187,44 @@ def _finite_float(text: str) -> float:
     return x
 
 
+MAX_NESTING = 64  # levels of nested arrays / objects in a JSON or TOML input (plan.json: 6)
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {_shown_text(key)}")
+        out[key] = value
+    return out
+
+
+def check_nesting(value, what: str = "JSON") -> None:
+    """ValueError when ``value`` (parsed JSON / TOML) nests arrays or objects deeper than
+    :data:`MAX_NESTING` levels (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > MAX_NESTING:
+                    raise ValueError(f"{what} nested more than {MAX_NESTING} levels deep")
+                stack.append((child, depth + 1))
+
+
 def loads_strict_json(text: str):
-    """``json.loads`` that refuses ``NaN``, ``Infinity`` and numbers that overflow a float
-    (ValueError, like any other JSON error)."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    """``json.loads`` that refuses ``NaN``, ``Infinity``, numbers that overflow a float,
+    a key given twice in one object and nesting deeper than :data:`MAX_NESTING` (ValueError,
+    like any other JSON error; a parser's RecursionError becomes one too)."""
+    try:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError(f"JSON nested more than {MAX_NESTING} levels deep") from None
+    check_nesting(data)
+    return data
 
 
 def dumps_strict_json(obj, **kwargs) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,7 @@ def test_deployed_stages_hold_the_layers_the_cost_model_charges(example):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardc.cost import CostModel
+    from shardc.fingerprint import fingerprint
     from shardc.frontends import load_graph
     from shardc.ir.contract import CHOICE_NAMES
     from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
@@ -168,6 +170,11 @@ def test_deployed_stages_hold_the_layers_the_cost_model_charges(example):
         assert [len(simulated[s]) for s in range(pp)] == list(cm.stage_counts(pp).sum(axis=1))
         plan = build_plan(graph=graph, strategy=strategy, mesh=mesh, hardware="h100",
                           workload=workload)
+        # the stand-in has the model's layers, not its sizes: the plan's parameter table
+        # (which parallelize.py checks the model against) is set to the stand-in's
+        stand_in = _stand_in(example, num_layers)
+        plan = replace(plan, model={**plan.model, "fingerprint": fingerprint(
+            [{"fqn": n, "shape": list(p.shape)} for n, p in stand_in.named_parameters()])})
         code = plan.code()
         assert "keep_stage(" in code
         deployed = {}

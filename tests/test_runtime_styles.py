@@ -222,7 +222,8 @@ def test_standalone_imports_only_torch(emitted):
     for name, (_, path) in emitted.items():
         mods = _imported_modules(path.read_text())
         if name.endswith("(default file)"):  # torch + the torch-only runtime
-            assert mods == {"torch", "torch.distributed.device_mesh", "shardc.runtime"}, mods
+            assert mods == {"torch", "torch.distributed.device_mesh", "shardc.runtime",
+                            "shardc.fingerprint"}, mods
             assert "parallelize_module(layers[i], tp_mesh, {" in path.read_text()
             continue
         assert {m.split(".")[0] for m in mods} <= TORCH_ONLY, (name, mods)
@@ -353,7 +354,7 @@ def test_formerly_uncovered_attention_plans_get_torch_files(degrees, choices, st
     plan = build(LLAMA, degrees, choices)
     assert style in plan.code(standalone=True)
     assert {m for m in _imported_modules(plan.code()) if m.startswith("shardc")} == \
-        {"shardc.runtime"}
+        {"shardc.runtime", "shardc.fingerprint"}  # the runtime and the model check
 
 
 def test_formerly_uncovered_experts_and_gpt2_stages_get_torch_files(tmp_path):

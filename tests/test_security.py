@@ -40,9 +40,9 @@ PAYLOADS = [
     "x\\N{oops} \x00 \u2028 \u202e caf\u00e9 {braces} %s",  # bad escape, NUL, bidi, format
 ]
 # the module-level statements every parallelize.py has, in order
-# docstring, imports, the data (six plan assignments + WALKS + PREDICTED), parallelize and
+# docstring, imports, the data (six plan assignments + MODEL_FINGERPRINT + WALKS + PREDICTED), parallelize and
 # generate, and the ``if __name__ == "__main__":`` --bench guard
-EXPECTED_TOP = ["Expr", "Import", "ImportFrom", "ImportFrom"] + ["Assign"] * 8 \
+EXPECTED_TOP = ["Expr", "Import", "ImportFrom", "ImportFrom", "ImportFrom"] + ["Assign"] * 9 \
     + ["FunctionDef", "FunctionDef", "If"]
 MAIN_GUARD = "if __name__ == '__main__':\n    bench_main(None, parallelize, WALKS, LAYER_KINDS, " \
     "MESH_SHAPE, MESH_DIM_NAMES, PREDICTED)"
@@ -63,7 +63,7 @@ def assert_inert(src: str, tmp_path: Path, monkeypatch):
     tree = ast.parse(src)  # also fails on NUL bytes and bad escapes
     assert [type(s).__name__ for s in tree.body] == EXPECTED_TOP, ast.dump(tree)[:2000]
     assert ast.unparse(tree.body[-1]) == MAIN_GUARD  # the one statement run as a script
-    for stmt in tree.body[4:12]:  # the data assignments: literals (and list(range(...)))
+    for stmt in tree.body[5:14]:  # the data assignments: literals (and list(range(...)))
         for node in ast.walk(stmt.value):
             if isinstance(node, ast.Call):
                 assert ast.unparse(node.func) in ("list", "range"), ast.unparse(node)
@@ -88,19 +88,26 @@ def _config(tmp_path: Path, name: str, **extra) -> Path:
 
 
 def test_hostile_model_and_hardware_names_stay_text(tmp_path, monkeypatch, capsys):
+    from shardc.text import clean_text
+
     model_name, hw_name = PAYLOADS[0], PAYLOADS[0].replace("x", "h100", 1)
     config = _config(tmp_path, model_name)
     toml = tmp_path / "hw.toml"
     toml.write_text(f'base = "h100"\nname = {json.dumps(hw_name)}\n')
     out = tmp_path / "out"
+    # a hardware name is validated (issue 25): letters, digits, . _ - + only
     code = main(["compile", str(config), "--mesh", "2x1", "--hardware", str(toml),
                  "--search", "megatron", "--budget", "10", "--quiet", "--out", str(out)])
+    assert code == 2 and "name = " in capsys.readouterr().err and not out.exists()
+    code = main(["compile", str(config), "--mesh", "2x1", "--search", "megatron", "--budget",
+                 "10", "--quiet", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     src = (out / "parallelize.py").read_text()
     module = assert_inert(src, tmp_path, monkeypatch)
-    # the names are still there, as text: the docstring reads them back exactly
-    assert model_name in module.__doc__ and hw_name in module.__doc__
-    assert json.loads((out / "plan.json").read_text())["mesh"]["hardware"] == hw_name
+    # the model name is still there, as text (made printable first: its newline is "?")
+    shown = clean_text(model_name)
+    assert shown != model_name and shown in module.__doc__
+    assert json.loads((out / "plan.json").read_text())["model"]["name"] == shown
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +132,9 @@ def _hostile_plan(plan_dict: dict, payload: str) -> dict:
         p["fqn"] = payload + p["fqn"]
     for n in d["nodes"]:
         n["name"] = payload + n["name"]
+    from shardc.fingerprint import fingerprint
+
+    d["model"]["fingerprint"] = fingerprint(d["params"])  # the names reach the file there too
     return d
 
 

@@ -53,6 +53,8 @@ def golden_outputs() -> dict[str, str]:
 
     def texts(tag, plan):
         d = plan.to_dict()
+        d = {**d, "model": {k: v for k, v in d["model"].items() if k != "fingerprint"}}
+        # (model.fingerprint: the model's identity, not a decision; tests/test_trust_r3_plans.py)
         return {f"{tag}.decision.json": json.dumps(plan_decision(d), indent=1) + "\n",
                 f"{tag}.graph.txt": decision_graph_txt(d, workload_note(plan.workload))}
 

@@ -32,6 +32,7 @@ from shardc.backends.torch_styles import style_plan
 from shardc.ir.windows import variant_text
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
+FINGERPRINT_SOURCE = Path(__file__).resolve().parents[1] / "fingerprint.py"  # inlined too
 # names the generated part may use, and where they come from
 _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "RowwiseParallel": "torch.distributed.tensor.parallel",
@@ -80,11 +81,11 @@ def _import_lines(straight: set[str], froms: dict[str, set[str]]) -> str:
 
 
 @lru_cache(maxsize=None)
-def _runtime_module(name: str) -> tuple[str, frozenset, tuple]:
-    """One runtime module's code without its docstring and imports, and its imports
-    (``import x`` names; ``(module, names)`` of each ``from`` import but shardc's and
-    ``__future__``), parsed once per process."""
-    src = (RUNTIME_DIR / name).read_text()
+def _runtime_module(path: str) -> tuple[str, frozenset, tuple]:
+    """One inlined module's code (a runtime module, or the model check) without its
+    docstring and imports, and its imports (``import x`` names; ``(module, names)`` of each
+    ``from`` import but shardc's and ``__future__``), parsed once per process."""
+    src = Path(path).read_text()
     lines = src.splitlines()
     drop, straight, froms = set(), set(), []
     tree = ast.parse(src)
@@ -110,12 +111,14 @@ def _runtime_sources(straight: set[str], froms: dict[str, set[str]], pipeline: b
     from shardc.runtime import PIPELINE_SOURCES, SOURCES
 
     parts = []
-    for name in SOURCES + (PIPELINE_SOURCES if pipeline else ()):
-        body, names, from_imports = _runtime_module(name)
+    sources = [(f"shardc.runtime.{name[:-3]}", str(RUNTIME_DIR / name))
+               for name in SOURCES + (PIPELINE_SOURCES if pipeline else ())]
+    for label, path in [("shardc.fingerprint", str(FINGERPRINT_SOURCE))] + sources:
+        body, names, from_imports = _runtime_module(path)
         straight.update(names)
         for module, imported in from_imports:
             froms.setdefault(module, set()).update(imported)
-        parts.append(f"# ---- shardc.runtime.{name[:-3]} (inlined; torch only) ----\n\n\n{body}")
+        parts.append(f"# ---- {label} (inlined; torch only) ----\n\n\n{body}")
     return "\n\n\n".join(parts)
 
 
@@ -140,6 +143,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
             '        device = "cuda" if torch.cuda.is_available() else "cpu"',
             "        world_mesh = init_device_mesh(device, MESH_SHAPE, "
             "mesh_dim_names=MESH_DIM_NAMES)",
+            "    check_model(model, MODEL_FINGERPRINT)  # the model the plan was made for",
             "    model.shardc_world_mesh = world_mesh  # generate() runs on the same mesh"]
     if pipe:  # this rank keeps its pipeline stage only
         body[1] = ('    """Keep this rank\'s pipeline stage of ``model``, place its parameters '
@@ -202,7 +206,8 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
                       f"DEGREES = {_literal(st.degrees.as_dict())}",
                       f"BATCH = {_literal(int(st.batch))}",
                       f"LAYER_KINDS = {_literal(_ranges(kinds))}",
-                      f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}"]
+                      f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}",
+                      f"MODEL_FINGERPRINT = {_literal(plan.fingerprint())}"]
                      + ([pipe.data()] if pipe else []) + [runtime_data(plan)])
     used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if re.search(rf"\b{n}\(", code_text)}
     straight: set[str] = {"torch"}
@@ -214,10 +219,12 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         runtime = "\n\n" + _runtime_sources(straight, froms, pipeline=pipe is not None)
     else:  # torch's styles and placements too, re-exported by shardc.runtime: one import
         froms["shardc.runtime"] = used | set(TAIL_NAMES)
+        froms["shardc.fingerprint"] = {"check_model"}
     third = {m: ns for m, ns in froms.items() if not m.startswith("shardc")}
     imports = _import_block(straight, third)
     if "shardc.runtime" in froms:
-        imports += "\n\n" + _import_block(set(), {"shardc.runtime": froms["shardc.runtime"]})
+        imports += "\n\n" + _import_block(set(), {m: ns for m, ns in froms.items()
+                                                   if m.startswith("shardc")})
     doc = _DOC.format(**doc_fields(plan), standalone_note=_STANDALONE_NOTE if inline else "")
     future = "\nfrom __future__ import annotations\n" if inline else ""
     gap = "\n\n\n" if inline else "\n\n"  # isort: one blank line after imports, two after defs

@@ -226,9 +226,11 @@ def backend_verdict(path: str) -> dict:
     key = graph_cache.derived_key(path, "backend-support", ("backends",)) \
         if graph_cache.cache_enabled() and Path(path).is_file() else None
     cached = graph_cache.load_text(key) if key else None
-    if cached is not None:
-        verdict = json.loads(cached)
-    else:
+    try:  # a damaged cache entry is a miss, as in graph_cache
+        verdict = json.loads(cached) if cached is not None else None
+    except (ValueError, RecursionError):
+        verdict = None
+    if not (isinstance(verdict, dict) and {"problem", "family"} <= set(verdict)):
         from shardc.frontends.imports import recording_imports
         from shardc.frontends.model_file import load_model_file
 

@@ -257,6 +257,7 @@ def baseline_ratios(plan) -> dict[str, str]:
 def run(args) -> int:
     import shardc.api as api
     from shardc.commands.reports import (
+        COMPILE_OUTPUTS,
         graph_dot,
         graph_table,
         plan_note,
@@ -296,7 +297,7 @@ def run(args) -> int:
     if not from_onnx and plan.backend_runs:  # DTensor code needs the torch module
         files["parallelize.py"] = plan.code(standalone=args.standalone)
     files.update(launch_files(plan))
-    written = write_outputs(out, files)
+    written = write_outputs(out, files, owned=COMPILE_OUTPUTS)
     print(summary_table(plan))
     for line in launch_summary_lines(plan):
         print(line)

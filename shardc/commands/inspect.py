@@ -10,6 +10,7 @@ every node that passes the ``--layer`` / ``--op`` filters.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from tabulate import tabulate
 
@@ -99,21 +100,24 @@ def graph_dot(graph: Graph, nodes: list[Node], note: str = "") -> str:
 def graph_table(graph: Graph, nodes: list[Node], condensed: bool, note: str = "") -> str:
     """Header (model, params, layer kinds) + node table; ``condensed`` hides views and all
     but the first layer of each layer kind."""
-    head = [f"model {graph.name}: {graph.num_params:,} parameters ({graph.num_params:.4g}), "
-            f"{graph.num_layers} layers, {len(graph.nodes)} nodes"]
+    from shardc.text import clean_text
+
+    head = [f"model {clean_text(graph.name)}: {graph.num_params:,} parameters "
+            f"({graph.num_params:.4g}), {graph.num_layers} layers, {len(graph.nodes)} nodes"]
     for k in graph.layer_kinds:
-        head.append(f"  {k.name} x{k.count}: layers {_ranges(k.layers)}")
+        head.append(f"  {clean_text(k.name)} x{k.count}: layers {_ranges(k.layers)}")
     if note:
         head.append(f"  {note}")
     for w in graph.warnings:
-        head.append(f"  warning: {w}")
+        head.append(f"  warning: {clean_text(w, 400)}")
     if condensed:
         firsts = {k.layers[0] for k in graph.layer_kinds if k.layers}
         nodes = [n for n in nodes if n.op != "view" and (n.layer is None or n.layer in firsts)]
         head.append("  (showing non-view nodes outside the layers and the first layer of each "
                     "kind; --layer N for one layer, --all for every node)")
-    rows = [[n.name, n.op, _shape(n), n.fused_op or "", n.layer_kind or "",
-             "" if n.layer is None else n.layer, _placements(n)] for n in nodes]
+    rows = [[clean_text(n.name), clean_text(n.op), _shape(n), n.fused_op or "",
+             clean_text(n.layer_kind or ""), "" if n.layer is None else n.layer,
+             _placements(n)] for n in nodes]  # names from an ONNX file: one line each
     table = tabulate(rows, headers=["node", "op", "shape", "fused op", "layer kind", "layer",
                                     "placements"], tablefmt="simple")
     return "\n".join(head) + "\n\n" + table + "\n"
@@ -187,9 +191,16 @@ def _is_plan_file(path: str) -> bool:
 
 
 def run(args) -> int:
+    from shardc.backends.atomic import check_single_file_target
     from shardc.frontends import load_graph
 
+    if args.out:  # before any work: a symlink / device / FIFO is refused, never replaced
+        check_single_file_target(Path(args.out), f"--out {args.out}")
     if _is_plan_file(args.model):  # shapes at the plan's workload (plan.json nodes)
+        for flag, given in (("--mesh", args.mesh), ("--tiny", args.tiny)):
+            if given:
+                raise InputError(f"{flag}: not used with a plan.json (its graph, mesh and "
+                                 "sizes are the plan's); give the model instead")
         from shardc.commands.reports import plan_note
         from shardc.plan import load_plan
 

@@ -10,7 +10,13 @@ from pathlib import Path
 
 from shardc.backends.atomic import write_outputs  # re-exported: the writer compile uses
 
-__all__ = ["graph_dot", "graph_table", "write_outputs"]
+__all__ = ["COMPILE_OUTPUTS", "graph_dot", "graph_table", "write_outputs"]
+
+# Every name a ``shardc compile`` output set may hold (any phase, mode, engine): a compile
+# into a folder removes those of an earlier compile that its own set does not have.
+COMPILE_OUTPUTS = ("plan.json", "graph.txt", "graph.dot", "trace.json", "search.png",
+                   "pareto.png", "parallelize.py", "parallelize_*.py", "launch/vllm_*.sh",
+                   "launch/sglang_*.sh", "launch/trtllm_*.sh")
 
 GRAPH_TABLE_HEADERS = ("node", "op", "shape", "placements", "collective inserted")
 
@@ -21,6 +27,7 @@ def graph_table(nodes: list[dict], note: str = "") -> str:
     ``note`` (e.g. which workload the shapes are at) goes first, as a ``#`` line. The table
     is ``tabulate``'s ``plain`` format (:func:`plain_table`)."""
     from shardc.ir.token_dims import shape_text
+    from shardc.text import clean_text
 
     rows = []
     for n in nodes:
@@ -28,7 +35,8 @@ def graph_table(nodes: list[dict], note: str = "") -> str:
         coll = ""
         if red:
             coll = f"{red.get('collective')}@{red.get('mesh_dim')} {int(red.get('bytes', 0))} B"
-        rows.append([n["name"], n["op"], shape_text(n.get("shape"), n.get("token_dims")),
+        rows.append([clean_text(n["name"]), clean_text(n["op"]),
+                     shape_text(n.get("shape"), n.get("token_dims")),
                      " ".join(n.get("placements") or []), coll])
     head = "".join(f"# {line}\n" for line in note.splitlines())
     return head + plain_table(rows, GRAPH_TABLE_HEADERS) + "\n"

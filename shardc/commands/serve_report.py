@@ -96,6 +96,9 @@ def plot_pareto(path, plan) -> str:
     title = (f"{plan.model['name']} on {plan.mesh['gpus_per_node']}x{plan.mesh['nodes']} "
              f"{plan.mesh['hardware']} | ISL {plan.workload['isl']} OSL {plan.workload['osl']}, "
              f"TTFT <= {plan.workload['ttft_slo_ms']:g} ms")
+    from shardc.text import clean_text  # no control character reaches matplotlib
+
+    title = clean_text(title, 400)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("tokens/s per user (1000 / TPOT)")
     ax.set_ylabel("output tokens/s per GPU")
@@ -130,6 +133,7 @@ def _plot_search(path, plan, outcome) -> str:
 
 def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     from shardc.commands.reports import (
+        COMPILE_OUTPUTS,
         graph_dot,
         graph_table,
         plan_note,
@@ -157,7 +161,7 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
     from shardc.commands.compile import launch_files, launch_summary_lines
 
     files.update(launch_files(plan))
-    written = write_outputs(out, files)
+    written = write_outputs(out, files, owned=COMPILE_OUTPUTS)
     print(serve_summary(plan))
     for line in launch_summary_lines(plan):
         print(line)

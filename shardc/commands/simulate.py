@@ -13,11 +13,12 @@ Exit 3 if the strategy is infeasible (the table is still printed).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 from tabulate import tabulate
 
-from shardc.backends.atomic import write_file_atomic
+from shardc.backends.atomic import check_single_file_target, write_file_atomic
 from shardc.commands.compile import (
     add_cross_node_tp_argument,
     add_workload_arguments,
@@ -149,6 +150,8 @@ def run(args) -> int:
     from shardc.cost.capacity import gpus_short_message
     from shardc.cost.infeasible import rejection_detail
 
+    if args.json:  # before any work: a symlink / device / FIFO is refused, never replaced
+        check_single_file_target(Path(args.json), f"--json {args.json}")
     mesh = Mesh.parse(args.mesh)
     workload = workload_from_args(args)
     hw = load_hardware(args.hardware)

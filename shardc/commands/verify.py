@@ -19,6 +19,11 @@ import itertools
 import math
 import sys
 
+from shardc.validate import ascii_float, ascii_int
+
+MAX_WORLD = 64  # local gloo processes one verify starts (each builds the tiny model)
+MAX_SEQ = 4096  # tokens per sequence of the check's batch
+
 HELP = ("Run plan.json on N local gloo processes with the model's tiny variant and compare "
         "logits.")
 
@@ -27,9 +32,12 @@ def add_arguments(p) -> None:
     p.add_argument("model", help="model file (.py) providing tiny_model() or a small "
                    "build_model(), or an HF config.json (a tiny variant is derived from it)")
     p.add_argument("--plan", required=True, help="plan.json written by shardc compile")
-    p.add_argument("--world", type=int, default=4, help="number of local processes (default 4)")
-    p.add_argument("--tol", type=float, default=1e-4, help="max relative error, finite and > 0 (default 1e-4)")
-    p.add_argument("--seq", type=int, default=8, help="tokens per sequence (default 8)")
+    p.add_argument("--world", type=ascii_int, default=4,
+                   help=f"number of local processes (default 4, at most {MAX_WORLD})")
+    p.add_argument("--tol", type=ascii_float, default=1e-4,
+                   help="max relative error, finite and > 0 (default 1e-4)")
+    p.add_argument("--seq", type=ascii_int, default=8,
+                   help=f"tokens per sequence (default 8, at most {MAX_SEQ})")
 
 
 def _divisors(n: int) -> list[int]:
@@ -151,15 +159,20 @@ def _source_kinds(graph, model, plan) -> dict[str, list[int]] | None:
 
 
 def _check_args(args) -> None:
+    """The flags' bounds again (the command's ``run`` may be called without the parser)."""
     from shardc.errors import InputError
+    from shardc.validate import check_number
 
-    if args.world < 1:
+    if isinstance(args.world, bool) or not isinstance(args.world, int) or args.world < 1:
         raise InputError("--world must be a positive number of processes")
-    if not (math.isfinite(args.tol) and args.tol > 0):
+    check_number(args.world, "--world", integer=True, minimum=1, maximum=MAX_WORLD,
+                 unit="processes")
+    if not (isinstance(args.tol, (int, float)) and math.isfinite(args.tol) and args.tol > 0):
         raise InputError(f"--tol {args.tol}: expected a finite positive number (max relative "
                          "error, e.g. 1e-4)")
-    if args.seq < 1:
+    if isinstance(args.seq, bool) or not isinstance(args.seq, int) or args.seq < 1:
         raise InputError(f"--seq {args.seq}: expected a positive number of tokens per sequence")
+    check_number(args.seq, "--seq", integer=True, minimum=1, maximum=MAX_SEQ, unit="tokens")
 
 
 def _degree_caps(strategy, world: int) -> dict[str, int]:
@@ -169,6 +182,50 @@ def _degree_caps(strategy, world: int) -> dict[str, int]:
     return {n: math.gcd(getattr(deg, n), world) for n in ("tp", "ep", "pp", "dp")}
 
 
+def _roles(rows, layers=None) -> dict:
+    """``{layer or None: {(name pattern, op)}}`` of params rows (layer and expert indices
+    written ``*``: what survives scaling a model down to its tiny variant)."""
+    from shardc.fingerprint import name_pattern
+
+    out: dict = {}
+    for r in rows:
+        layer = r.get("layer")
+        if layers is None or layer in layers or layer is None:
+            out.setdefault(layer, set()).add((name_pattern(str(r["fqn"])), r.get("op")))
+    return out
+
+
+def check_tiny_matches(plan, graph, strategy, layer_kinds, model) -> None:
+    """InputError naming the first difference unless the tiny model has the plan's
+    parameters by name pattern and role (:func:`_roles`): globally, and each tiny layer
+    against the plan's layer it plays (``config.shardc_source_layers``, else the first plan
+    layer of its kind). The plan's own rows are compared, not rows rebuilt from the tiny
+    model, so a hand-edited row (deleted, moved, another op) or another model is refused."""
+    from shardc.backends.layout import param_plan
+    from shardc.errors import InputError
+    from shardc.ir.strategy import Degrees, Strategy
+
+    kind_of = {i: k for k, ls in layer_kinds.items() for i in ls}
+    unsharded = Strategy(Degrees(tp=1, pp=1, ep=1, dp=1), 1, dict(strategy.choices))
+    tiny = _roles(param_plan(graph, unsharded, kind_of))  # roles do not depend on degrees
+    planned = _roles(plan.params)
+    source = getattr(getattr(model, "config", None), "shardc_source_layers", None)
+    first_of_kind = {k["name"]: k["layers"][0] for k in plan.layer_kinds if k.get("layers")}
+
+    def differ(where: str, want: set, have: set) -> None:
+        for pattern, op in sorted(want - have, key=str):
+            raise InputError(f"the model does not match the plan: {where}the plan's parameter "
+                             f"{pattern} ({op or 'no fused op'}) is not in the model")
+        for pattern, op in sorted(have - want, key=str):
+            raise InputError(f"the model does not match the plan: {where}the model's parameter "
+                             f"{pattern} ({op or 'no fused op'}) is not in the plan")
+
+    differ("", planned.get(None, set()), tiny.get(None, set()))
+    for i in sorted(k for k in tiny if k is not None):
+        orig = source[i] if source and i < len(source) else first_of_kind.get(kind_of.get(i))
+        differ(f"layer {i} (the plan's layer {orig}): ", planned.get(orig, set()), tiny[i])
+
+
 def tiny_plan(plan, graph, strategy, layer_kinds):
     """``plan`` for the tiny model of ``graph`` at the scaled ``strategy``: the same choices,
     the scaled degrees and mesh, the tiny layers under the plan's layer kinds and the tiny
@@ -176,18 +233,21 @@ def tiny_plan(plan, graph, strategy, layer_kinds):
     from dataclasses import replace
 
     from shardc.backends.layout import param_plan
+    from shardc.fingerprint import fingerprint
 
     deg = strategy.degrees
     shape, names = deg.logical_mesh()
     kind_of = {i: k for k, ls in layer_kinds.items() for i in ls}
+    rows = param_plan(graph, strategy, kind_of)
     return replace(plan, degrees=dict(deg.as_dict()),
                    logical_mesh={"shape": list(shape), "dim_names": list(names)},
                    spmd_dims=deg.spmd_dims(),
                    mesh={**plan.mesh, "gpus_per_node": deg.world, "nodes": 1},
-                   model={**plan.model, "layers": graph.num_layers},
+                   model={**plan.model, "layers": graph.num_layers,
+                          "fingerprint": fingerprint(rows)},
                    layer_kinds=[{"name": k, "count": len(ls), "layers": list(ls)}
                                 for k, ls in layer_kinds.items()],
-                   params=param_plan(graph, strategy, kind_of), nodes=[])
+                   params=rows, nodes=[])
 
 
 def run(args) -> int:
@@ -218,6 +278,7 @@ def run(args) -> int:
     problem = backend_problem(model)
     graph = graph_from_module(model, inputs, name=src.name)
     kinds = _tiny_layer_kinds(graph, model, plan)
+    check_tiny_matches(plan, graph, plan.strategy(), kinds, model)
     strategy, notes = fit_degrees(graph, plan.strategy(), kinds, args.world)
     deg = strategy.degrees
     scaled = replace(tiny_plan(plan, graph, strategy, kinds), backend={})

@@ -14,13 +14,14 @@ achieved fractions of the corresponding peak.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import tomllib
 
 from shardc.errors import InputError
-from shardc.validate import MAX_GPUS, check_number
+from shardc.validate import MAX_GPUS, MAX_NESTING, check_nesting, check_number
 
 PRESET_DIR = Path(__file__).with_name("hardware")
 MAX_FIELD_VALUE = 1e15  # any numeric field, in its own unit: far above any real GPU
@@ -103,13 +104,21 @@ def preset_names() -> list[str]:
 def _read_toml(path: Path) -> dict:
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            data = tomllib.load(fh)
     except OSError as e:
         raise InputError(f"--hardware {path}: cannot read ({e.strerror})") from None
     except UnicodeDecodeError:
         raise InputError(f"--hardware {path}: not a text TOML file (not UTF-8)") from None
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"--hardware {path}: malformed TOML ({e})") from None
+    except RecursionError:
+        raise InputError(f"--hardware {path}: malformed TOML (nested more than "
+                         f"{MAX_NESTING} levels deep)") from None
+    try:
+        check_nesting(data, "TOML")
+    except ValueError as e:
+        raise InputError(f"--hardware {path}: malformed TOML ({e})") from None
+    return data
 
 
 def is_hardware_file(spec: str) -> bool:
@@ -143,7 +152,9 @@ def _resolve(spec: str, seen: tuple[str, ...] = ()) -> dict:
     if unknown:
         raise InputError(f"--hardware {label}: unknown field(s) {', '.join(unknown)}")
     merged.update(raw)
-    merged.setdefault("name", p.stem if is_hardware_file(spec) else spec)
+    if "name" not in merged:  # a file's stem, made a valid name ("my gpu" -> "my_gpu")
+        stem = re.sub(r"[^A-Za-z0-9._+-]", "_", p.stem if is_hardware_file(spec) else spec)
+        merged["name"] = stem.lstrip("._+-")[:64] or "custom"
     return merged
 
 
@@ -159,7 +170,14 @@ def load_hardware(name_or_path: str | Hardware) -> Hardware:
     kw = {}
     for k, v in raw.items():
         if k in ("name", "description"):
-            kw[k] = str(v)
+            if not isinstance(v, str):
+                raise InputError(f"--hardware {name_or_path}: {k} = {_shown(v)} is not a "
+                                 "string")
+            if k == "name" and not _NAME_RE.match(v):
+                raise InputError(f"--hardware {name_or_path}: name = {_shown(v)}: expected "
+                                 "1-64 letters, digits, '.', '_', '-', '+' (starting with a "
+                                 "letter or digit)")
+            kw[k] = v if k == "name" else " ".join(v.split())
             continue
         what = f"--hardware {name_or_path}: {k}"
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -177,4 +195,29 @@ def load_hardware(name_or_path: str | Hardware) -> Hardware:
             kw[k] = check_number(v, what, minimum=0, maximum=MAX_FIELD_VALUE)
         else:  # peaks, bandwidths, capacities, curve constants: strictly positive
             kw[k] = check_number(v, what, above=0, maximum=MAX_FIELD_VALUE)
-    return Hardware(**kw)
+    hw = Hardware(**kw)
+    usable = hw.hbm_gb * (1.0 - hw.headroom)
+    if hw.workspace_gb >= usable:
+        raise InputError(f"--hardware {name_or_path}: workspace_gb = {hw.workspace_gb:g}: "
+                         f"expected less than hbm_gb x (1 - headroom) = {usable:g} GB")
+    return _custom_if_changed(hw, name_or_path)
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+CUSTOM_SUFFIX = "-custom"
+
+
+def _shown(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:36] + "...'"
+
+
+def _custom_if_changed(hw: Hardware, spec: str) -> Hardware:
+    """A hardware file whose name is a preset's but whose numbers differ from that preset
+    is recorded as ``<name>-custom`` (plan.json, reports): a preset name means the preset's
+    numbers."""
+    if not is_hardware_file(str(spec)) or hw.name not in preset_names():
+        return hw
+    preset = load_hardware(hw.name)
+    same = all(getattr(hw, f) == getattr(preset, f) for f in _FIELDS if f != "description")
+    return hw if same else replace(hw, name=hw.name + CUSTOM_SUFFIX)

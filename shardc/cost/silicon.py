@@ -51,7 +51,7 @@ def kernels_for(hw, kernels: str = DEFAULT_KERNELS, engine: str = DEFAULT_ENGINE
     """``(SiliconKernels or None, kernel_source, reason)``: what prices a cost model on ``hw``.
     ``kernel_source`` is ``"silicon:<engine>-<gemm table version>:<system>"`` or
     ``"roofline"``; ``reason`` says why the roofline ("" when silicon)."""
-    from shardc.cost.hardware_presets import load_hardware, preset_names
+    from shardc.cost.hardware_presets import CUSTOM_SUFFIX, load_hardware, preset_names
 
     if is_table_file(kernels):  # `shardc calibrate`'s measurements of the user's machine
         return _calibrated(hw, kernels)
@@ -60,6 +60,10 @@ def kernels_for(hw, kernels: str = DEFAULT_KERNELS, engine: str = DEFAULT_ENGINE
     if kernels == "roofline":
         return None, "roofline", "--kernels roofline"
     name = getattr(hw, "name", "")
+    base = name[:-len(CUSTOM_SUFFIX)] if name.endswith(CUSTOM_SUFFIX) else ""
+    if base in st.SYSTEMS and base in preset_names():  # a preset changed by a TOML file
+        return None, "roofline", (f"hardware {name!r} differs from the {base} preset the "
+                                  "tables were measured on (changed by a TOML file)")
     if name not in st.SYSTEMS or name not in preset_names():
         return None, "roofline", (f"hardware {name!r} is not a measured preset "
                                   f"({', '.join(st.SYSTEMS)})")

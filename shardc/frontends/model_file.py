@@ -31,6 +31,7 @@ from shardc.frontends.imports import forget_folder_modules, recording_imports, u
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+from shardc.text import clean_text
 from shardc.validate import loads_strict_json
 
 
@@ -158,6 +159,9 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
         raise InputError(f"{p}: not a readable JSON file: {e}") from e
     if not isinstance(data, dict) or "model_type" not in data:
         raise InputError(f"{p}: not an HF config.json (no 'model_type' key)")
+    from shardc.frontends.config_checks import check_shape_fields
+
+    check_shape_fields(data, str(p))  # before HF or torch sees a size
     from transformers import AutoConfig
 
     # a config.json is data: keys that point transformers at custom code (auto_map ->
@@ -169,8 +173,10 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
     checkpoint = checkpoint_format(data)
     try:
         config = AutoConfig.for_model(**data)
-    except Exception as e:
-        raise InputError(f"{p}: HF cannot read this config: {type(e).__name__}: {e}") from e
+    except Exception as e:  # the reason on the one line (HF's texts span several lines)
+        reason = " ".join(str(e).split())
+        raise InputError(f"{p}: HF cannot read this config: {type(e).__name__}: "
+                         f"{clean_text(reason)}") from e
 
     def build_model(num_layers: int | None = None) -> torch.nn.Module:
         from shardc.frontends.hf_build import build_causal_lm
@@ -194,7 +200,8 @@ def _load_hf_config(p: Path, tiny_degrees: dict | None = None) -> ModelSource:
         return _token_ids(tiny())
 
     name = data.get("_name_or_path") or (p.parent.name if p.name == "config.json" else p.stem)
-    return ModelSource(name=Path(str(name)).name or p.stem, source=str(p),
+    name = clean_text(Path(str(name)).name) or clean_text(p.stem) or "model"
+    return ModelSource(name=name, source=str(p),
                        build_model=build_model, example_inputs=example_inputs,
                        tiny_model=tiny_model, tiny_inputs=tiny_inputs,
                        notes=[note] if note else [], checkpoint=checkpoint)

@@ -35,7 +35,7 @@ from shardc.validate import (
 )
 
 # ------------------------------------------------------------------------- mesh, workload
-_MESH_RE = re.compile(r"^\s*(\d+)x(\d+)\s*$")
+_MESH_RE = re.compile(r"^\s*([0-9]+)x([0-9]+)\s*$")
 
 
 @dataclass(frozen=True)

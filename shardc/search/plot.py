@@ -15,7 +15,10 @@ def search_title(model: str, mesh: str, hardware: str, workload: dict, policy: s
     else:
         wl = (f"{workload.get('phase')}, context {workload.get('context')} tokens, "
               f"TPOT SLO {workload.get('tpot_slo_ms'):g} ms")
-    return f"{model} on {mesh} {hardware} | {wl} | search {policy}, budget {budget}"
+    from shardc.text import clean_text  # no control character reaches matplotlib
+
+    return clean_text(f"{model} on {mesh} {hardware} | {wl} | search {policy}, budget {budget}",
+                      400)
 
 
 def plot_search_curve(path, curves: dict, megatron: float | None = None,
@@ -46,7 +49,9 @@ def plot_search_curve(path, curves: dict, megatron: float | None = None,
     ax.set_xlabel("simulator evaluations")
     ax.set_ylabel("best tokens/s per GPU so far")
     if title:
-        ax.set_title(title)
+        from shardc.text import clean_text
+
+        ax.set_title(clean_text(title, 400))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
