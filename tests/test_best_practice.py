@@ -125,7 +125,7 @@ def test_rules_take_up_a_heads_split_the_space_makes_legal():
 
 def test_summary_claims_the_gain_against_the_stronger_baseline():
     plan = SimpleNamespace(
-        degrees={"tp": 8, "ep": 2, "pp": 1, "dp": 1, "sp": 8}, workload={"batch": 32},
+        degrees={"tp": 8, "ep": 2, "pp": 1, "dp": 1, "sp": 8}, workload={"batch": 32}, model={},
         predicted={"tok_s_per_gpu": 120.0, "tpot_ms": None, "ttft_ms": 900.0,
                    "memory_gb_per_gpu": 60.0},
         baseline={"megatron": {"tok_s_per_gpu": 100.0}, "best_practice": {"tok_s_per_gpu": 110.0}},

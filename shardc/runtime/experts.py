@@ -172,6 +172,24 @@ def _run_tp_rows(module, forward_local, names, rows: torch.Tensor, sizes: list[i
     the largest rank's count: exactly the rows when balanced), every rank's rows run through
     the local shards, and the partial outputs reduce-scattered back to their rank."""
     n = dist.get_world_size(group)
+    per_rank, m, every_rows, ids = _gather_tp_rows(rows, sizes, group)
+    out = _run_local(module, forward_local, names, every_rows, sizes, None, ids)
+    back = out.new_zeros(n * m, out.shape[1]) if not out.is_meta else out.new_empty(n * m, out.shape[1])
+    start = 0
+    for i, c in enumerate(per_rank):
+        back[i * m:i * m + sum(c)] = out[start:start + sum(c)]
+        start += sum(c)
+    result = out.new_empty(m, out.shape[1])
+    dist.reduce_scatter_tensor(result, back, group=group)
+    return result[:rows.shape[0]]
+
+
+def _gather_tp_rows(rows: torch.Tensor, sizes: list[int], group):
+    """Every tp rank's routed rows (``rows``: this rank's, ``sizes[j]`` for local expert j),
+    all-gathered over ``group``: the per-expert counts first (``L`` int64), then the rows
+    padded to the largest rank's count. Returns ``(per_rank counts, padded rows per rank m,
+    the ranks' rows concatenated [sum of counts, features], their local expert ids)``."""
+    n = dist.get_world_size(group)
     mine = torch.tensor(sizes, dtype=torch.long)
     every = torch.empty(n * len(sizes), dtype=torch.long)
     dist.all_gather_into_tensor(every, mine, group=group)
@@ -181,17 +199,9 @@ def _run_tp_rows(module, forward_local, names, rows: torch.Tensor, sizes: list[i
     padded[:rows.shape[0]] = rows
     gathered = rows.new_empty(n * m, rows.shape[1])
     dist.all_gather_into_tensor(gathered, padded, group=group)
-    blocks = [gathered[i * m:i * m + sum(c)] for i, c in enumerate(per_rank)]
+    every_rows = torch.cat([gathered[i * m:i * m + sum(c)] for i, c in enumerate(per_rank)])
     ids = torch.cat([_expert_ids(c) for c in per_rank]).to(rows.device)
-    out = _run_local(module, forward_local, names, torch.cat(blocks), sizes, None, ids)
-    back = out.new_zeros(n * m, out.shape[1]) if not out.is_meta else out.new_empty(n * m, out.shape[1])
-    start = 0
-    for i, c in enumerate(per_rank):
-        back[i * m:i * m + sum(c)] = out[start:start + sum(c)]
-        start += sum(c)
-    result = out.new_empty(m, out.shape[1])
-    dist.reduce_scatter_tensor(result, back, group=group)
-    return result[:rows.shape[0]]
+    return per_rank, m, every_rows, ids
 
 
 def _expert_ids(sizes: list[int]) -> torch.Tensor:
@@ -310,18 +320,8 @@ def _chain_tp_rows(chain, rows: torch.Tensor, sizes: list[int], group) -> torch.
     pairs (``rows``, ``sizes[j]`` for local expert j). The per-expert counts and the rows are
     all-gathered over tp (padded to the largest rank's count), the chain runs on every rank's
     rows grouped by expert, and each rank keeps its own rows of the whole output."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    mine = torch.tensor(sizes, dtype=torch.long)
-    every = torch.empty(n * len(sizes), dtype=torch.long)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    per_rank = [list(sizes)] * n if rows.is_meta else every.view(n, -1).tolist()
-    m = max(sum(c) for c in per_rank)
-    padded = rows.new_zeros(m, rows.shape[1]) if not rows.is_meta else rows.new_empty(m, rows.shape[1])
-    padded[:rows.shape[0]] = rows
-    gathered = rows.new_empty(n * m, rows.shape[1])
-    dist.all_gather_into_tensor(gathered, padded, group=group)
-    every_rows = torch.cat([gathered[i * m:i * m + sum(c)] for i, c in enumerate(per_rank)])
-    ids = torch.cat([_expert_ids(c) for c in per_rank]).to(rows.device)
+    me = dist.get_rank(group)
+    per_rank, _m, every_rows, ids = _gather_tp_rows(rows, sizes, group)
     order = torch.argsort(ids, stable=True)  # every rank's rows, grouped by local expert
     totals = [sum(c[j] for c in per_rank) for j in range(len(sizes))]
     out = chain(every_rows[order], totals)
