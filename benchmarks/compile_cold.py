@@ -4,7 +4,7 @@ models, with the reduced-depth trace (default) and with the full trace
 plan.json files are identical (wall times aside). Writes the table into
 benchmarks/compile_cold.md.
 
-Usage: .venv/bin/python benchmarks/compile_cold.py [--out FILE] [--runs reduced,full] [MODEL ...]
+Usage: .venv/bin/python benchmarks/compile_cold.py [--out FILE] [MODEL ...]  (both traces, always)
 """
 
 from __future__ import annotations
