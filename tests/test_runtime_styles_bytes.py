@@ -80,7 +80,6 @@ def exempt_extras(graph, strategy, vocab: int) -> list[tuple[str, str, int]]:
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_torch_style_collective_bytes_are_the_cost_models(name):
-
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan

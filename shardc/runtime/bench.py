@@ -121,6 +121,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _timed(step, args, device) -> list[float]:
+    """Wall ms of each of ``args.steps`` calls of ``step`` after ``args.warmup`` untimed ones
+    (the device synchronised around each call)."""
+    times = []
+    for i in range(args.warmup + args.steps):
+        _sync(device)
+        t = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= args.warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def run_bench(args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
               predicted) -> dict | None:
     """Build, place and time on this rank (distributed already initialised); the JSON
@@ -139,7 +153,6 @@ def run_bench(args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
     if args.batch % fast.batch.size:
         raise SystemExit(f"--batch {args.batch} does not split over dp x ep = {fast.batch.size}")
     rows = args.batch // fast.batch.size
-    times = []
     with torch.no_grad():
         if args.phase == "decode":
             cache = fast.new_cache(rows, args.context)
@@ -147,25 +160,13 @@ def run_bench(args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
             ids = torch.randint(0, 100, (rows, 1), device=device)
             start_fill = max(args.context - args.steps - args.warmup, 0)
             _fill(cache, start_fill)
-            for i in range(args.warmup + args.steps):
-                _sync(device)
-                t = time.perf_counter()
-                decode_step(fast, cache, ids, graphs)
-                _sync(device)
-                if i >= args.warmup:
-                    times.append((time.perf_counter() - t) * 1e3)
+            times = _timed(lambda: decode_step(fast, cache, ids, graphs), args, device)
             tokens = args.batch
         else:
             cache = fast.new_cache(rows, args.prompt)
             ids = torch.randint(0, 100, (rows, args.prompt), device=device)
             start = torch.zeros(rows, dtype=torch.long, device=device)
-            for i in range(args.warmup + args.steps):
-                _sync(device)
-                t = time.perf_counter()
-                prefill(fast, cache, ids, start)
-                _sync(device)
-                if i >= args.warmup:
-                    times.append((time.perf_counter() - t) * 1e3)
+            times = _timed(lambda: prefill(fast, cache, ids, start), args, device)
             tokens = args.batch * args.prompt
     med = statistics.median(times)
     rec = {"phase": args.phase, "step_ms": round(med, 4), "step_ms_min": round(min(times), 4),
