@@ -7,9 +7,8 @@
     plan = shardc.load_plan("plan.json")
 """
 
-__version__ = "0.1.0"
-
 from shardc.ir.strategy import Workload  # noqa: E402
+from shardc.version import __version__  # noqa: E402,F401 - re-exported
 
 
 def compile(model, example_inputs=None, **kwargs):  # noqa: A001 - the documented API name

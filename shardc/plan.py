@@ -242,9 +242,9 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
     and ``workload`` are one pool's (the mixed pool, or a disaggregated pool whose ``dp`` is
     its worker count and whose GPUs may be fewer than the mesh's); the plan's ``workload``
     says phase ``serve`` with the request's isl/osl."""
-    from shardc import __version__
     from shardc.backends.layout import param_plan
     from shardc.passes.annotate import annotate, spmd_dims
+    from shardc.version import __version__
 
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
     deg = strategy.degrees

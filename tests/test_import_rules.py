@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[1] / "shardc"
 
 # rank of each top-level part of shardc: a part may import only parts of lower rank
 RANKS = {
-    "errors": 0, "runtime": 0,
+    "errors": 0, "runtime": 0, "version": 0,
     "text": 1, "validate": 1, "testing": 1, "cache": 1, "fingerprint": 1,
     "ir": 2,
     "cost": 3, "search": 3,

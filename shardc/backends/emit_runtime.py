@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from shardc.backends.dtensor import _literal
+from shardc.backends.emit_text import _literal
 from shardc.backends.runtime_walks import plan_walks
 
 # the runtime names the tail below calls (imported from shardc.runtime, or inlined)

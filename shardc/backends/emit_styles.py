@@ -25,8 +25,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from shardc.backends.dtensor import _DOC, _comment, _literal, _ranges, doc_fields
 from shardc.backends.emit_runtime import TAIL_NAMES, runtime_data, runtime_tail
+from shardc.backends.emit_text import _DOC, _comment, _literal, _ranges, doc_fields
 from shardc.backends.pipeline_styles import stage_emit
 from shardc.backends.torch_styles import style_plan
 from shardc.ir.windows import variant_text

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.backends.dtensor import _comment, _literal
+from shardc.backends.emit_text import _comment, _literal
 from shardc.backends.torch_styles import NotCovered
 
 # keep_stage's defaults: an HF causal LM's module paths (only other paths are written out)

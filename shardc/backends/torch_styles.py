@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardc.backends.dtensor import _literal
+from shardc.backends.emit_text import _literal
 from shardc.ir.contract import BRANCHES, CHOICE_NAMES, redistribution, walk
 from shardc.ir.strategy import residual_placement
 

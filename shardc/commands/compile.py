@@ -260,6 +260,8 @@ def run(args) -> int:
         COMPILE_OUTPUTS,
         graph_dot,
         graph_table,
+        launch_files,
+        launch_summary_lines,
         plan_note,
         print_backend_refusal,
         write_outputs,
@@ -308,23 +310,6 @@ def run(args) -> int:
 
         print(ONNX_PARALLELIZE_NOTE)
     return 0
-
-
-def launch_files(plan) -> dict:
-    """``launch/{vllm,sglang}_<role>.sh`` of every pool in plan.json ``launch``: each the
-    best configuration its engine expresses (:mod:`shardc.launch_plan`); none for an engine
-    whose entry has no pools (its ``reason`` says why)."""
-    from shardc.backends.launch import launch_scripts
-
-    return launch_scripts(plan.launch or {}, plan.model.get("hf_id"),
-                          int(plan.mesh["gpus_per_node"]))
-
-
-def launch_summary_lines(plan) -> list[str]:
-    """The summary's per-engine lines (:func:`shardc.launch_plan.launch_summary_lines`)."""
-    from shardc.launch_plan import launch_summary_lines as lines
-
-    return lines(plan)
 
 
 def _plot(path, outcome, plan) -> str:

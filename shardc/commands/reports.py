@@ -180,3 +180,20 @@ def print_backend_refusal(out: Path, plan, written: list) -> None:
             stale.unlink()
     print(f"no parallelize.py: {one_line(plan.backend.get('reason'))}; plan.json and the "
           "engine launch scripts do not need it")
+
+
+def launch_files(plan) -> dict:
+    """``launch/{vllm,sglang}_<role>.sh`` of every pool in plan.json ``launch``: each the
+    best configuration its engine expresses (:mod:`shardc.launch_plan`); none for an engine
+    whose entry has no pools (its ``reason`` says why)."""
+    from shardc.backends.launch import launch_scripts
+
+    return launch_scripts(plan.launch or {}, plan.model.get("hf_id"),
+                          int(plan.mesh["gpus_per_node"]))
+
+
+def launch_summary_lines(plan) -> list[str]:
+    """The summary's per-engine lines (:func:`shardc.launch_plan.launch_summary_lines`)."""
+    from shardc.launch_plan import launch_summary_lines as lines
+
+    return lines(plan)

@@ -136,6 +136,8 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
         COMPILE_OUTPUTS,
         graph_dot,
         graph_table,
+        launch_files,
+        launch_summary_lines,
         plan_note,
         print_backend_refusal,
         write_outputs,
@@ -158,7 +160,6 @@ def write_serve_outputs(out: Path, plan, outcome, args) -> int:
         else:
             for r, p in outcome.pool_plans.items():
                 files[f"parallelize_{r}.py"] = p.code(standalone=args.standalone)
-    from shardc.commands.compile import launch_files, launch_summary_lines
 
     files.update(launch_files(plan))
     written = write_outputs(out, files, owned=COMPILE_OUTPUTS)

@@ -8,7 +8,7 @@ the sha256 of (each part length-prefixed):
 * the model file's bytes and its name and folder name (a ``config.json`` takes its model
   name from them);
 * the ``tiny`` flag;
-* ``shardc.__version__``, the torch and transformers versions (they decide the trace);
+* ``shardc.version.__version__``, the torch and transformers versions (they decide the trace);
 * the bytes of every ``.py`` file under ``shardc/frontends`` and ``shardc/passes`` and of
   ``shardc/ir/graph.py`` (so a change to the frontend, the passes or the IR invalidates it).
 
@@ -42,6 +42,7 @@ from shardc.cache import (  # noqa: F401 (the names re-exported)
     write_entry,
 )
 from shardc.ir.graph import Graph
+from shardc.version import __version__
 
 MAX_ENTRIES = 200  # oldest entries (by modification time) beyond this are deleted
 _PKG = Path(__file__).resolve().parents[1]
@@ -63,8 +64,6 @@ def cache_key(path: str | Path, tiny: bool) -> str:
     """Hex sha256 naming the cache entry of model file ``path`` (see the module docstring).
     Library versions come from the installed distributions' metadata (no import: a cache hit
     does not pay the 3-5 s torch + transformers start-up)."""
-    import shardc
-
     p = Path(path).resolve()
     h = hashlib.sha256()
 
@@ -75,7 +74,7 @@ def cache_key(path: str | Path, tiny: bool) -> str:
     part("model", p.read_bytes())
     part("model-name", f"{p.name}/{p.parent.name}".encode())
     part("tiny", b"1" if tiny else b"0")
-    part("versions", f"{shardc.__version__} {_version('torch')} {_version('transformers')}".encode())
+    part("versions", f"{__version__} {_version('torch')} {_version('transformers')}".encode())
     for f in _code_files():
         part(f"code {f.relative_to(_PKG).as_posix()}", f.read_bytes())
     return h.hexdigest()
