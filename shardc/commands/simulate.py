@@ -169,6 +169,8 @@ def run(args) -> int:
     from shardc.commands.compile import kernel_engine
 
     kernel_options = {"kernels": args.kernels, "engine": kernel_engine(args)}
+    # the experts' split (moe_tp x moe_ep) when it is not (tp, ep)
+    split = {"moe_tp": deg.moe_tp, "moe_ep": deg.moe_ep} if deg.experts_resplit else {}
     if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
         from shardc.cost.serving import pool_cost_model, pool_workload
         from shardc.serving import check_serve_positions
@@ -178,10 +180,11 @@ def run(args) -> int:
                              "price a disaggregated pool with --phase prefill or decode")
         check_serve_positions(graph, workload)
         cm = pool_cost_model(graph, mesh, hw, workload, "mixed", **kernel_options)
-        space = StrategySpace(graph, mesh, pool_workload(workload, "mixed"), tp_domain=domain)
+        space = StrategySpace(graph, mesh, pool_workload(workload, "mixed"), tp_domain=domain,
+                              fixed=split)
     else:
         cm = CostModel(graph, mesh, hw, workload, **kernel_options)
-        space = StrategySpace(graph, mesh, workload, tp_domain=domain)
+        space = StrategySpace(graph, mesh, workload, tp_domain=domain, fixed=split)
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "

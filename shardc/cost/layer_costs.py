@@ -25,7 +25,7 @@ from shardc.cost import collectives as coll
 from shardc.cost import silicon
 from shardc.cost.branch_tables import BranchTable
 from shardc.cost.imbalance import batch_split_imbalance
-from shardc.cost.moe_dispatch import experts_exchange
+from shardc.cost.moe_dispatch import experts_exchange, gather_exchange
 from shardc.cost.quantisation import quant_time
 from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time, memory_time
 from shardc.cost.topology import CommGroup
@@ -80,6 +80,9 @@ class Batch:
     chunk_tokens: np.ndarray | float = 0.0
     redundant_experts: int = 0  # EPLB's extra expert slots per EP group (ep > 1)
     fp8_scaling: str = "per-tensor"  # FP8 linears' activation scaling (cost.quantisation)
+    # experts re-split (moe_tp x moe_ep != tp x ep): the attention side of the all-gather
+    # dispatch (moe_dispatch.GatherView); None: the all-to-all dispatch over ep
+    gather: object = None
 
 
 @dataclass
@@ -356,7 +359,8 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
                 out.collectives.append((fop.name, coll_codes[:, j], "tp", S, c_s))
         width = op_out_width(fop)
     if experts:  # dispatch + combine over ep and the tp repairs around them (moe_dispatch)
-        t_x, rows = experts_exchange(table.ops, combo, b, b.detail)
+        t_x, rows = (experts_exchange(table.ops, combo, b, b.detail) if b.gather is None
+                     else gather_exchange(table.ops, b, b.detail))
         tp_comm = total - compute
         total += t_x
         if getattr(hw, "tp_comm_overlap", 0.0) or getattr(hw, "ep_comm_overlap", 0.0):

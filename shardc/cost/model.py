@@ -49,7 +49,12 @@ from shardc.cost.branch_tables import (
 )
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
-from shardc.cost.moe_dispatch import LAYOUT_RULES
+from shardc.cost.moe_dispatch import (
+    LAYOUT_RULES,
+    megatron_combo,
+    merge_resplit,
+    resplit_batch,
+)
 from shardc.cost.topology import mesh_groups
 from shardc.errors import InputError
 from shardc.ir.contract import BRANCHES
@@ -265,6 +270,7 @@ class CostModel:
                   detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
                   moe_layouts=self.moe_layouts, kernels=self.kernels,
                   redundant_experts=int(wl.redundant_experts), fp8_scaling=wl.fp8_scaling)
+        bx, resplit = self._resplit(b, deg, tokens * epf)
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
@@ -284,6 +290,11 @@ class CostModel:
                 if bname == "embedding":
                     in_width = 1
                 bc = branch_cost(bname, fops, table, combo, b, in_width)
+                if bx is not None and bname == "experts":  # the all-gather path's rows
+                    bc = merge_resplit(bc, branch_cost(bname, fops, table, combo, bx, in_width),
+                                       resplit)
+                    nonlocal choices_ok
+                    choices_ok &= ~resplit | (combo == megatron_combo(table.ops))
                 modes = table.modes[combo, residual]
                 res.append((bname, fops, table, combo, bc))
                 nonlocal split_ok
@@ -358,7 +369,9 @@ class CostModel:
             tok_s = bf * wl.prompt / ttft / (tpf * epf * ppf)
             latency_bad = ttft * 1e3 > wl.ttft_slo_ms
             latency_reason = TTFT_SLO
-        act = self.act_bytes * 4 * (tokens * self.widest + b.expert_tokens * self.expert_width)
+        expert_rows = b.expert_tokens if bx is None else np.where(resplit, bx.expert_tokens,
+                                                                   b.expert_tokens)
+        act = self.act_bytes * 4 * (tokens * self.widest + expert_rows * self.expert_width)
         act = act + b.lm_tokens * self.vocab * 4.0
         model_bytes = stage_m.max(axis=1) + act
         mem_gb = (model_bytes + self.hw.workspace_gb * 1e9) / 1e9
@@ -378,6 +391,17 @@ class CostModel:
                     layer_time=layer_time, layer_mem=layer_mem)
 
     # ------------------------------------------------------------------ public
+    def _resplit(self, b, deg, routed):
+        """(experts' Batch, rows [B]) of the strategies whose experts are split other than
+        (tp, ep) (:func:`shardc.cost.moe_dispatch.resplit_batch`), or (None, None)."""
+        resplit = (deg["moe_tp"] != deg["tp"]) & (deg["moe_tp"] > 0)
+        if not resplit.any():
+            return None, None
+        mt = np.where(resplit, deg["moe_tp"], deg["tp"])
+        me = np.where(resplit, deg["moe_ep"], deg["ep"])
+        return resplit_batch(b, mt, me, self.imbalance(routed, me),
+                             self.mesh.gpus_per_node), resplit
+
     def imbalance(self, tokens, ep) -> np.ndarray:
         """Busiest EP rank's routed rows / the mean rank's for ``tokens`` entering a MoE layer
         over the EP group (arrays; 1 where ep = 1 or the model has no experts): the fixed
@@ -440,7 +464,10 @@ class CostModel:
 
     def space_for(self, strategy: Strategy) -> StrategySpace:
         """A strategy space whose batch candidates are exactly ``strategy.batch``."""
-        return StrategySpace(self.graph, self.mesh, replace(self.workload, batch=strategy.batch))
+        d = strategy.degrees
+        fixed = {"moe_tp": d.moe_tp, "moe_ep": d.moe_ep} if d.experts_resplit else {}
+        return StrategySpace(self.graph, self.mesh, replace(self.workload, batch=strategy.batch),
+                             fixed=fixed)
 
     def simulate(self, strategy: Strategy):
         """One strategy's :class:`~shardc.cost.explain.Breakdown`: predicted numbers (ms,

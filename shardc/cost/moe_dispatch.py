@@ -57,6 +57,7 @@ kernel's above.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -234,3 +235,103 @@ def experts_exchange(ops: tuple[str, ...], combo: np.ndarray, b, detail: bool = 
                 ("combine", a2a_code, "ep", c_sent, c_t),
                 ("after combine", c_c2, "tp", T * hidden * ab, _pick(on_T, c_c2))]
     return d_tot + c_tot, rows
+
+
+# ------------------------------------------------- experts re-split: the all-gather path
+# When the experts are split moe_tp x moe_ep over the tp x ep ranks other than (tp, ep)
+# (:class:`shardc.ir.strategy.Degrees`; e.g. tp=1 ep=8 moe_tp=8: AIConfigurator's
+# ``tp1 dp8 etp8``), the engines (SGLang ``--enable-dp-attention`` without DeepEP, vLLM data
+# parallel without ``--enable-expert-parallel``, TensorRT-LLM attention DP) run the MoE as:
+#
+# * all-gather the routed tokens over the ep attention groups: every rank then holds the
+#   ``T x ep`` tokens of the replica's tp x ep ranks (the tp group's residual is replicated,
+#   so no tp step);
+# * each rank runs its ``E / moe_ep`` experts at ``1 / moe_tp`` of their ffn width on the
+#   tokens routed to them (``T x ep x top_k / moe_ep x imbalance`` rows), ending in partial
+#   sums over the whole tp x ep group;
+# * reduce-scatter over the ep groups (each gets its ``T`` tokens back, summed over the
+#   other ep ranks), then all-reduce over tp (the sum over the tp ranks' expert slices).
+#
+# The experts' Batch of such a strategy is the attention's with tp := moe_tp, ep := moe_ep
+# and ``T x ep / moe_ep`` tokens per moe_tp group (so ``tokens x ep`` stays the replica's
+# routed tokens), and ``gather`` the attention side it came from.
+
+
+@dataclass
+class GatherView:
+    """The attention layout an all-gather dispatch starts from (arrays [B]): ``tokens``
+    per attention group, its ``tp`` and ``ep`` communicators."""
+
+    tokens: np.ndarray
+    tp_group: CommGroup
+    ep_group: CommGroup
+
+
+def gather_exchange(ops: tuple[str, ...], b, detail: bool = False):
+    """Seconds of the all-gather dispatch and reduce-scatter combine (above) for each
+    strategy of the experts Batch ``b`` (``b.gather`` set); ``rows`` as
+    :func:`experts_exchange`'s (the all-gather is the "dispatch", the reduce-scatter the
+    "combine", the tp all-reduce "after combine")."""
+    g = b.gather
+    hidden, ab = float(b.hidden), float(b.act_bytes)
+    d_row = fp8_dispatch_row_bytes(hidden) if b.fp8_dispatch else hidden * ab
+    n_ep = g.ep_group.size.astype(np.float64)
+    gathered = g.tokens * n_ep  # the replica's tokens, on every rank after the all-gather
+    ag = coll.all_gather(gathered * d_row, g.ep_group, b.hw)
+    rs = coll.all_gather(gathered * hidden * ab, g.ep_group, b.hw)  # RS costs as AG
+    ar = coll.all_reduce(g.tokens * hidden * ab, g.tp_group, b.hw)
+    rows = []
+    if detail:
+        zero = np.zeros_like(ag)
+        code = np.zeros(ag.shape, dtype=np.int64)
+        rows = [("dispatch", np.where(n_ep > 1, coll.ALL_GATHER, 0), "ep",
+                 gathered * d_row, ag),
+                (ops[0], code, "tp", zero, zero),
+                ("combine", np.where(n_ep > 1, coll.REDUCE_SCATTER, 0), "ep",
+                 gathered * hidden * ab, rs),
+                ("after combine", np.where(g.tp_group.size > 1, coll.ALL_REDUCE, 0), "tp",
+                 g.tokens * hidden * ab, ar)]
+    return ag + rs + ar, rows
+
+
+def resplit_batch(b, moe_tp, moe_ep, imbalance, gpus_per_node: int):
+    """The experts' Batch of strategies whose experts are split ``moe_tp`` x ``moe_ep``
+    (arrays [B]) over the tp x ep ranks of the attention Batch ``b``: tp := moe_tp, ep :=
+    moe_ep, ``T x ep / moe_ep`` tokens per moe_tp group, the busiest of the moe_ep ranks'
+    ``imbalance`` [B], replicated residual, and ``gather`` = ``b``'s attention side. The
+    moe_tp groups are the innermost ranks (stride 1), the moe_ep groups stride moe_tp."""
+    from dataclasses import replace
+
+    from shardc.cost.topology import comm_group
+
+    mt = np.asarray(moe_tp, dtype=np.float64)
+    me = np.asarray(moe_ep, dtype=np.float64)
+    tokens = b.tokens * b.ep / me
+    groups = dict(b.groups, tp=comm_group(mt, 1, gpus_per_node),
+                  ep=comm_group(me, mt, gpus_per_node))
+    return replace(b, tp=mt, ep=me, sp=np.ones_like(mt), tokens=tokens,
+                   expert_tokens=tokens * b.top_k * imbalance, residual=np.zeros_like(b.residual),
+                   groups=groups, expert_imbalance=imbalance,
+                   gather=GatherView(b.tokens, b.groups["tp"], b.groups["ep"]))
+
+
+def megatron_combo(ops: tuple[str, ...]) -> int:
+    """The experts branch's choice combination (base-3 digits, first op lowest) of Megatron's
+    column / row split: the only one a re-split runs (each rank's expert slice ends in
+    partial sums that the reduce-scatter and all-reduce add up)."""
+    from shardc.ir.space import MEGATRON_CHOICE
+
+    return sum(MEGATRON_CHOICE[op] * 3**j for j, op in enumerate(ops))
+
+
+def merge_resplit(bc, bc_resplit, rows: np.ndarray):
+    """A BranchCost taking ``bc_resplit``'s time and bytes on ``rows`` [B] and ``bc``'s
+    elsewhere (detail lists: the one strategy's own)."""
+    from dataclasses import replace
+
+    pick = bool(np.asarray(rows).reshape(-1)[0]) if rows.size else False
+    detail = bc_resplit if pick else bc
+    return replace(bc, time_s=np.where(rows, bc_resplit.time_s, bc.time_s),
+                   weight_bytes=np.where(rows, bc_resplit.weight_bytes, bc.weight_bytes),
+                   kv_bytes=np.where(rows, bc_resplit.kv_bytes, bc.kv_bytes),
+                   ops=detail.ops, collectives=detail.collectives)

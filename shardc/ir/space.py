@@ -129,6 +129,8 @@ class StrategySpace:
                 slots.append(name)
         self.op_slots = slots
         self.op_mask_by_tp = np.stack([self._op_mask_for_tp(t) for t in tp])
+        if "moe_tp" in self.fixed or "moe_ep" in self.fixed:
+            self._experts_megatron_only()
 
     def _apply_fixed(self, tp, ep, pp, sp, hidden: int, experts: int):
         """Restrict the degree values to ``self.fixed``; an InputError names a fixed degree
@@ -136,7 +138,8 @@ class StrategySpace:
         f, world, layers = self.fixed, self.mesh.gpus, max(self.graph.num_layers, 1)
         why = {"tp": f"tp must divide the GPU count {world} and hidden {hidden} (at most {MAX_TP})",
                "ep": (f"ep must divide the GPU count {world} and the {experts} experts"
-                      if experts else "the model has no experts (ep must be 1)"),
+                      if experts else "the model has no experts, so ep = dp_attn must be 1; "
+                      "for data parallelism of a dense model use dp=N"),
                "pp": f"pp must divide the GPU count {world} and be at most {min(MAX_PP, layers)}"}
         out = {"tp": tp, "ep": ep, "pp": pp}
         t = f.get("tp", 1)
@@ -156,6 +159,8 @@ class StrategySpace:
                        for t in out["tp"] for e in out["ep"] for p in out["pp"]):
                 raise InputError(f"--degrees dp={f['dp']}: no tp x ep x pp here makes "
                                  f"{self.replica_gpus} GPUs per replica")
+        if "moe_tp" in f or "moe_ep" in f:
+            self._check_fixed_experts_split(experts)
         if "sp" in f and f["sp"] != 1:
             if f["sp"] != SP_ON and ("tp" not in f or f["sp"] != f["tp"]):
                 raise InputError(f"--degrees sp={f['sp']}: sp is 1 (off) or equal to tp (on)")
@@ -163,6 +168,53 @@ class StrategySpace:
         elif "sp" in f:
             sp = [0]
         return out["tp"], out["ep"], out["pp"], sp
+
+    def _check_fixed_experts_split(self, experts: int) -> None:
+        """InputError when a fixed ``moe_tp`` / ``moe_ep`` means nothing for this model: no
+        routed experts, an expert split that does not divide the experts or their ffn width,
+        or sequence parallelism fixed on (it needs the experts at the attention tp)."""
+        f = self.fixed
+        given = ",".join(f"{k}={f[k]}" for k in ("moe_tp", "moe_ep") if k in f)
+        if not experts:
+            raise InputError(f"--degrees {given}: the model has no routed experts (for "
+                             "attention data parallelism of a dense model use dp=N)")
+        if "moe_ep" in f and experts % f["moe_ep"]:
+            raise InputError(f"--degrees moe_ep={f['moe_ep']}: does not divide the "
+                             f"{experts} experts")
+        widths = {int(k.op("expert_ffn2").in_features or 0) for k in self.graph.layer_kinds
+                  if k.op("expert_ffn2") is not None}
+        bad = sorted(w for w in widths if w and "moe_tp" in f and w % f["moe_tp"])
+        if bad:
+            raise InputError(f"--degrees moe_tp={f['moe_tp']}: does not divide the experts' "
+                             f"ffn width {bad[0]}")
+        if f.get("sp", 1) != 1:
+            raise InputError(f"--degrees {given} with sp=on: sequence parallelism needs the "
+                             "experts at the attention tp (drop sp=on)")
+
+    def _experts_megatron_only(self) -> None:
+        """A fixed experts split runs the experts column / row over moe_tp (their legality
+        at moe_tp is :meth:`_check_fixed_experts_split`'s): one choice per expert slot."""
+        for i, slot in enumerate(self.op_slots):
+            op = slot.split(".")[-1]
+            if op in ("expert_ffn1", "expert_ffn2"):
+                self.op_mask_by_tp[:, i, :] = False
+                self.op_mask_by_tp[:, i, MEGATRON_CHOICE[op]] = True
+
+    def experts_split(self, tp, ep) -> tuple[np.ndarray, np.ndarray]:
+        """(moe_tp, moe_ep) arrays of the experts' split at degree arrays ``tp``, ``ep``: the
+        fixed ``moe_tp`` / ``moe_ep`` (``--degrees``) where they tile ``tp x ep``, (tp, ep)
+        where none is fixed, and 0 where a fixed one does not tile (an invalid row)."""
+        tp, ep = np.asarray(tp, dtype=np.int64), np.asarray(ep, dtype=np.int64)
+        f = self.fixed
+        if "moe_tp" not in f and "moe_ep" not in f:
+            return tp, ep
+        group = tp * ep
+        mt = np.full_like(group, int(f.get("moe_tp", 0)))
+        me = np.full_like(group, int(f.get("moe_ep", 0)))
+        mt = np.where(mt > 0, mt, group // np.maximum(me, 1))
+        me = np.where(me > 0, me, group // np.maximum(mt, 1))
+        ok = (mt * me == group) & (mt > 0) & (me > 0)
+        return np.where(ok, mt, 0), np.where(ok, me, 0)
 
     def fixed_degrees_fit(self, tp, ep, pp) -> np.ndarray:
         """Whether degree values (arrays) agree with a fixed dp: tp * ep * pp = GPUs / dp."""
@@ -215,7 +267,8 @@ class StrategySpace:
 
     # ---------------------------------------------------------------- vectorised
     def degree_arrays(self, actions: np.ndarray) -> dict[str, np.ndarray]:
-        """Degree values for a batch of actions [B, A] -> {tp, ep, pp, sp, dp, batch}: [B]."""
+        """Degree values for a batch of actions [B, A] -> {tp, ep, pp, sp, dp, batch, moe_tp,
+        moe_ep}: [B] (moe_tp, moe_ep: :meth:`experts_split`; dp 0 where they cannot tile)."""
         a = np.atleast_2d(actions)
         out = {}
         for j, c in enumerate(DEGREE_COMPONENTS):
@@ -223,6 +276,8 @@ class StrategySpace:
         out["sp"] = np.where(out["sp"] > 0, out["tp"], 1)
         replica = out["tp"] * out["ep"] * out["pp"]
         out["dp"] = np.where(self.mesh.gpus % replica == 0, self.mesh.gpus // replica, 0)
+        out["moe_tp"], out["moe_ep"] = self.experts_split(out["tp"], out["ep"])
+        out["dp"] = np.where(out["moe_tp"] > 0, out["dp"], 0)  # a fixed split that cannot tile
         return out
 
     def degrees_valid(self, actions: np.ndarray) -> np.ndarray:
@@ -251,7 +306,8 @@ class StrategySpace:
         d = {k: int(v[0]) for k, v in self.degree_arrays(a[None, :]).items()}
         if d["dp"] == 0:
             raise ValueError(f"degrees tp={d['tp']} ep={d['ep']} pp={d['pp']} do not tile {self.mesh}")
-        degrees = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d["sp"])
+        degrees = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d["sp"],
+                          moe_tp=d["moe_tp"], moe_ep=d["moe_ep"])
         choices = {s: int(c) for s, c in zip(self.op_slots, a[len(DEGREE_COMPONENTS):])}
         return Strategy(degrees=degrees, batch=d["batch"], choices=choices)
 
@@ -264,6 +320,10 @@ class StrategySpace:
             if want[c] not in self.values[c]:
                 raise ValueError(f"{c}={want[c]} is not a candidate ({self.values[c]})")
             out.append(self.values[c].index(want[c]))
+        split = self.experts_split(deg.tp, deg.ep)
+        if (int(split[0]), int(split[1])) != (deg.expert_tp, deg.expert_ep):
+            raise ValueError(f"experts split moe_tp={deg.expert_tp} x moe_ep={deg.expert_ep} "
+                             "is not this space's (fix it with fixed moe_tp / moe_ep)")
         out += [int(strategy.choices[s]) for s in self.op_slots]
         return np.array(out, dtype=np.int64)
 

@@ -181,20 +181,71 @@ MESH_DIM_ORDER = ("pp", "dp", "ep", "tp")  # outermost -> innermost
 @dataclass(frozen=True)
 class Degrees:
     """Parallel degrees. world = pp * dp * ep * tp; sp is 1 (off) or tp (Megatron SP:
-    the residual stream split over tokens inside the tp group)."""
+    the residual stream split over tokens inside the tp group).
+
+    ``ep`` is the attention data-parallel degree inside a replica (``dp_attn`` on the command
+    line): the tp x ep ranks of a replica run attention as ep groups of tp ranks, each on its
+    own sequences. The routed experts are split over the same tp x ep ranks as ``moe_tp``
+    (each expert's ffn column / row split) x ``moe_ep`` (experts divided) with
+    ``moe_tp * moe_ep = tp * ep``. 0 for both (the default) = experts at the attention tp
+    (``moe_tp = tp, moe_ep = ep``: the expert dim over ep, the DeepEP all-to-all dispatch);
+    any other split (e.g. ``tp=1 ep=8 moe_tp=8``: AIConfigurator's ``tp1 dp8 etp8``) gathers
+    the routed tokens over the ep ranks before the experts and reduce-scatters after
+    (:mod:`shardc.cost.moe_dispatch`); a split equal to the default is stored as 0, so the
+    two spellings are one strategy."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     dp: int = 1
     sp: int = 1
+    moe_tp: int = 0
+    moe_ep: int = 0
 
     def __post_init__(self):
         for k in ("tp", "pp", "ep", "dp", "sp"):
             check_number(getattr(self, k), f"degree {k}", integer=True, minimum=1,
                          maximum=MAX_GPUS)
+        for k in ("moe_tp", "moe_ep"):
+            check_number(getattr(self, k), f"degree {k}", integer=True, minimum=0,
+                         maximum=MAX_GPUS)
         if self.sp not in (1, self.tp):
             raise InputError(f"sp={self.sp} must be 1 or equal to tp={self.tp}")
+        group = self.tp * self.ep
+        mt, me = int(self.moe_tp), int(self.moe_ep)
+        if mt or me:
+            if not mt:
+                mt = group // me if group % me == 0 else 0
+            if not me:
+                me = group // mt if group % mt == 0 else 0
+            if not mt or not me or mt * me != group:
+                raise InputError(f"moe_tp={self.moe_tp or '?'} x moe_ep={self.moe_ep or '?'}: "
+                                 f"the experts' split must multiply to tp x dp_attn = "
+                                 f"{self.tp} x {self.ep} = {group} (the ranks attention runs "
+                                 "on)")
+            if (mt, me) == (self.tp, self.ep):
+                mt = me = 0
+            elif self.sp > 1:
+                raise InputError(f"sp=on with moe_tp={mt} x moe_ep={me} != tp={self.tp} x "
+                                 f"dp_attn={self.ep}: sequence parallelism needs the experts "
+                                 "at the attention tp")
+        object.__setattr__(self, "moe_tp", mt)
+        object.__setattr__(self, "moe_ep", me)
+
+    @property
+    def experts_resplit(self) -> bool:
+        """The experts are split other than (tp, ep) (the all-gather dispatch path)."""
+        return self.moe_tp > 0
+
+    @property
+    def expert_tp(self) -> int:
+        """Each expert's ffn split (moe_tp; tp by default)."""
+        return self.moe_tp or self.tp
+
+    @property
+    def expert_ep(self) -> int:
+        """Groups the experts are divided over (moe_ep; ep by default)."""
+        return self.moe_ep or self.ep
 
     @property
     def world(self) -> int:
@@ -221,23 +272,32 @@ class Degrees:
         return [n for n in self.logical_mesh()[1] if n != "pp"]
 
     def as_dict(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "sp": self.sp}
+        """tp, pp, ep, dp, sp, and ``moe_tp`` / ``moe_ep`` only when the experts are split
+        other than (tp, ep) (plans of the default split read as before)."""
+        out = {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "sp": self.sp}
+        if self.experts_resplit:
+            out.update(moe_tp=self.moe_tp, moe_ep=self.moe_ep)
+        return out
 
     @classmethod
     def parse(cls, text: str) -> Degrees:
-        """Parse ``tp=8,ep=16,pp=2`` (missing degrees default to 1; sp accepts on/off)."""
+        """Parse ``tp=8,ep=16,pp=2`` (missing degrees default to 1; sp accepts on/off;
+        ``dp_attn`` is ``ep``'s other name)."""
         kw = parse_degree_fields(text)
         if kw.get("sp") == SP_ON:
             kw["sp"] = kw.get("tp", 1)
         return cls(**kw)
 
 
+DEGREE_NAMES = ("tp", "pp", "ep", "dp", "sp", "dp_attn", "moe_tp", "moe_ep")  # --degrees
+
 SP_ON = -1  # ``sp=on`` in --degrees: sequence parallel over the tp group
 
 
 def parse_degree_fields(text: str) -> dict[str, int]:
     """The degrees named in ``tp=8,ep=16,pp=2`` (only those given; ``sp=on`` -> :data:`SP_ON`,
-    ``sp=off`` -> 1). Unknown or repeated names and non-integers are an InputError."""
+    ``sp=off`` -> 1; ``dp_attn`` -> ``ep``). Unknown or repeated names and non-integers are
+    an InputError."""
     kw: dict[str, int] = {}
     for part in str(text).split(","):
         if not part.strip():
@@ -245,14 +305,22 @@ def parse_degree_fields(text: str) -> dict[str, int]:
         if "=" not in part:
             raise InputError(f"--degrees {text!r}: expected name=value pairs, e.g. tp=8,ep=16")
         k, v = (s.strip() for s in part.split("=", 1))
-        if k not in ("tp", "pp", "ep", "dp", "sp"):
-            raise InputError(f"--degrees: unknown degree {k!r} (expected tp, pp, ep, dp, sp)")
+        given = k
+        if k not in DEGREE_NAMES:
+            raise InputError(f"--degrees: unknown degree {k!r} (expected "
+                             f"{', '.join(DEGREE_NAMES)})")
+        if k == "dp_attn":  # attention data parallel: the ep mesh dim
+            if "ep" in kw:
+                raise InputError(f"--degrees {text!r}: dp_attn and ep name the same degree "
+                                 "(give one)")
+            k = "ep"
         if k in kw:
-            raise InputError(f"--degrees {text!r}: {k} is given twice")
+            raise InputError(f"--degrees {text!r}: {k if k != 'ep' else 'ep / dp_attn'} is "
+                             "given twice")
         if k == "sp" and v in ("on", "off"):
             kw[k] = SP_ON if v == "on" else 1
             continue
-        kw[k] = parse_int_text(v, f"--degrees {k}", minimum=1, maximum=MAX_GPUS)
+        kw[k] = parse_int_text(v, f"--degrees {given}", minimum=1, maximum=MAX_GPUS)
     return kw
 
 
