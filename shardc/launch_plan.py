@@ -176,7 +176,8 @@ def launch_summary_lines(plan) -> list[str]:
         parts = []
         for p in entry["pools"]:
             d = p["degrees"]
-            deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp") if d.get(k, 1) > 1)
+            deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "moe_tp", "moe_ep")
+                           if d.get(k, 1) > 1 or (k == "moe_tp" and k in d))
             mode = " dp-attention" if p.get("mode") == "dp-attention" else ""
             parts.append(f"{p['role']} {p['workers']}x[{deg or 'tp=1'} batch={p['batch']}{mode}]")
         value = (entry.get("predicted") or {}).get("tok_s_per_gpu")

@@ -93,7 +93,8 @@ class Plan:
     def strategy(self) -> Strategy:
         """The decoded strategy (degrees, batch, per-op choice indices)."""
         d = self.degrees
-        deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1))
+        deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1),
+                      moe_tp=d.get("moe_tp", 0), moe_ep=d.get("moe_ep", 0))
         choices = {o["name"]: CHOICE_NAMES[o["kind"]].index(o["choice"]) for o in self.ops}
         return Strategy(deg, int(self.workload.get("batch") or 1), choices)
 

@@ -33,7 +33,8 @@ def validate_plan_dict(data: dict, where: str = "plan") -> None:
     w = data["workload"]
     section = "degrees"
     try:  # the same checks (and bounds) as the command line's
-        deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1))
+        deg = Degrees(tp=d["tp"], pp=d["pp"], ep=d["ep"], dp=d["dp"], sp=d.get("sp", 1),
+                      moe_tp=d.get("moe_tp", 0), moe_ep=d.get("moe_ep", 0))
         section = "mesh"
         Mesh(m["gpus_per_node"], m["nodes"])
         section = "workload"

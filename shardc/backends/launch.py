@@ -165,7 +165,10 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
     mem = f"{float(pool.mem_fraction):.3f}"
     if engine == "vllm":
         out = ["--tensor-parallel-size", str(d.tp), "--pipeline-parallel-size", str(d.pp)]
-        if d.ep > 1:  # attention data-parallel over the ep ranks, experts split over them
+        if d.experts_resplit:  # experts tp over all tp x ep ranks, or ep over all of them
+            out += ["--data-parallel-size", str(d.ep)] if d.ep > 1 else []
+            out += ["--enable-expert-parallel"] if d.moe_ep > 1 else []
+        elif d.ep > 1:  # attention data-parallel over the ep ranks, experts split over them
             out += ["--data-parallel-size", str(d.ep), "--enable-expert-parallel"]
         if d.sp > 1:
             out += ["--compilation-config", VLLM_SEQUENCE_PARALLEL]
@@ -185,10 +188,12 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
         if d.ep > 1 or pool.dp_attention:
             dp = d.tp * d.ep if pool.dp_attention else d.ep
             out += ["--dp-size", str(dp), "--enable-dp-attention"]
-            if d.ep > 1:
-                out += ["--ep-size", str(d.ep)]
-                if d.tp == 1 and pool.dense_mlp:
-                    out += ["--moe-dense-tp-size", "1"]
+            if d.ep > 1 and d.expert_ep > 1:  # MoE tp = tp-size / ep-size
+                out += ["--ep-size", str(d.expert_ep)]
+            if d.ep > 1 and d.tp == 1 and pool.dense_mlp:
+                out += ["--moe-dense-tp-size", "1"]
+        elif d.experts_resplit and d.moe_ep > 1:  # experts split inside the tp group
+            out += ["--ep-size", str(d.moe_ep)]
         if d.pp > 1:  # SGLang refuses pipeline parallelism with its overlap scheduler
             out += ["--disable-overlap-schedule"]
         out += ["--max-running-requests", str(batch),
@@ -206,8 +211,8 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
     adp = trtllm_attention_dp(pool)
     ranks = (d.tp * d.ep if pool.dp_attention else d.ep) if adp else 1
     out = ["--tp_size", str(d.tp * d.ep), "--pp_size", str(d.pp)]
-    if d.ep > 1:
-        out += ["--ep_size", str(d.ep)]
+    if d.expert_ep > 1:  # its MoE tp = tp_size / ep_size
+        out += ["--ep_size", str(d.expert_ep)]
     out += ["--max_batch_size", str(max(batch // ranks, 1)),
             "--max_seq_len", str(int(pool.max_model_len)),
             "--kv_cache_free_gpu_memory_fraction", mem]
@@ -264,8 +269,9 @@ def pool_entry(engine: str, pool: LaunchPool, script: str | None) -> dict:
 # ------------------------------------------------------------------ rendering
 def _describe(entry: dict) -> str:
     d = entry["degrees"]
+    split = (f"moe_tp={d['moe_tp']} moe_ep={d['moe_ep']} " if "moe_tp" in d else "")
     return (f"tp={d['tp']} ep={d['ep']} pp={d['pp']} dp={d['dp']} sp={d.get('sp', 1)} "
-            f"batch={entry['batch']}" + (" attention data-parallel"
+            f"{split}batch={entry['batch']}" + (" attention data-parallel"
                                          if entry.get("mode") == "dp-attention" else ""))
 
 

@@ -191,6 +191,29 @@ def torch_style_verdict(verdict: dict, plans, graph) -> dict:
     return {"runs": False, "reason": f"{verdict['reason']}; {problem}"}
 
 
+def experts_split_problem(degrees) -> str | None:
+    """Why the DTensor backend cannot run these degrees (None: it can): the experts split
+    other than (tp, ep) -- moe_tp x moe_ep, the all-gather dispatch -- is priced and
+    launched by the engines but not run by ``parallelize.py`` / the runtime yet."""
+    if not degrees.experts_resplit:
+        return None
+    return (f"the experts split moe_tp={degrees.moe_tp} x moe_ep={degrees.moe_ep} over "
+            f"tp={degrees.tp} x dp_attn={degrees.ep} is not implemented in parallelize.py / "
+            "the runtime (they run the experts at the attention tp: moe_tp = tp)")
+
+
+def plan_verdict(verdict: dict, strategies) -> dict:
+    """plan.json ``backend`` once the plans' strategies are known: ``verdict``, or runs False
+    when some strategy's degrees need what the backend does not run
+    (:func:`experts_split_problem`)."""
+    for st in strategies:
+        problem = experts_split_problem(st.degrees)
+        if problem:
+            reason = f"{verdict['reason']}; {problem}" if verdict.get("reason") else problem
+            return {"runs": False, "reason": reason}
+    return verdict
+
+
 def refusal(family: str, problem: str) -> str:
     """The one line that says why the DTensor backend cannot run a model of ``family``."""
     return f"{family}: the DTensor backend cannot run this model ({problem})"

@@ -252,6 +252,9 @@ def style_plan(plan) -> StylePlan:
 
     st = plan.strategy()
     deg = st.degrees
+    if deg.experts_resplit:
+        raise NotCovered(f"the experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep} "
+                         "(the runtime runs experts at the attention tp)")
     rows = rows_with_ops(plan.params)
     res = residual_placement(deg)
     tp = deg.tp

@@ -152,7 +152,7 @@ def add_arguments(p) -> None:
     p.add_argument("--search", default="rl", choices=list(POLICIES))
     p.add_argument("--degrees", default=None,
                    help="fix any subset of degrees, search the rest, e.g. tp=8,pp=2 "
-                        "(tp, ep, pp, dp; sp=on|off)")
+                        "(tp, ep = dp_attn, pp, dp, moe_tp, moe_ep; sp=on|off)")
     p.add_argument("--budget", type=int_arg(1, MAX_BUDGET, "evaluations"), default=4000,
                    help=f"simulator evaluations (at most {MAX_BUDGET:,})")
     p.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0)
@@ -200,7 +200,8 @@ def summary_table(plan) -> str:
 
         note = cliff_note(((plan.baseline or {}).get("megatron") or {}).get("slo_check"))
         ratios["megatron"] += f" ({note})" if note else ""
-    deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp") if k in d)
+    deg = " ".join(f"{k}={d[k]}" for k in ("tp", "ep", "pp", "dp", "sp", "moe_tp", "moe_ep")
+                   if k in d)
     rows = [
         ["degrees", f"{deg} batch={plan.workload['batch']}"],
         ["predicted tok/s/GPU", number_or_dash(pred.get("tok_s_per_gpu"), ".1f")],

@@ -41,7 +41,8 @@ HELP = "Predict throughput, latency and memory of one sharding strategy (no sear
 def add_arguments(p) -> None:
     p.add_argument("model", help="model file (.py), .onnx, or HF config.json")
     p.add_argument("--mesh", required=True, help="GxN: N nodes of G GPUs, e.g. 8x128")
-    p.add_argument("--degrees", required=True, help="e.g. tp=8,ep=8,pp=2 (dp derived)")
+    p.add_argument("--degrees", required=True, help="e.g. tp=8,ep=8,pp=2 (dp derived); dp_attn=8,moe_tp=8: "
+                   "attention data-parallel over 8 ranks, experts tensor-parallel over them")
     add_workload_arguments(p)
     p.add_argument("--choices", default="megatron",
                    help="megatron|rep[,SLOT=NAME...] per-op choices (default megatron)")

@@ -28,6 +28,16 @@ The degrees each engine spells (docs/deploy.md maps them to flags):
   attention runs tensor-parallel over the whole tp_size or data-parallel over every rank
   (``enable_attention_dp``), so ep > 1 needs tp = 1 or attention data-parallel; dense layers
   beside tp > 1 and ep > 1 as in SGLang; no sequence parallelism.
+
+The experts split other than (tp, ep) (``moe_tp x moe_ep``, :class:`shardc.ir.strategy.Degrees`;
+the all-gather dispatch), as each engine spells it (:func:`experts_split_ok`):
+
+* vLLM: data parallel without ``--enable-expert-parallel`` runs the experts tensor-parallel
+  over all tp x ep ranks (``moe_tp = tp x ep``), with it expert-parallel over all of them
+  (``moe_ep = tp x ep``, also at tp > 1);
+* SGLang: ``--tp-size tp*ep --ep-size moe_ep`` (its MoE tp is tp-size / ep-size), any split;
+* TensorRT-LLM: ``--tp_size tp*ep --ep_size moe_ep`` (its moe_tp is tp_size / ep_size), any
+  split; ep > 1 runs attention data-parallel over every rank, so it needs tp = 1.
 """
 
 from __future__ import annotations
@@ -67,19 +77,20 @@ class EngineMode:
     ep_with_tp: bool
     dense_with_tp_ep: bool
     sequence_parallel: bool
+    engine: str = ""  # the engine the mode belongs to (its experts-split rule)
 
 
 ENGINE_MODES: dict[str, tuple[EngineMode, ...]] = {
     "vllm": (EngineMode("tp", "heads", ep_with_tp=False, dense_with_tp_ep=False,
-                        sequence_parallel=True),),
+                        sequence_parallel=True, engine="vllm"),),
     "sglang": (EngineMode("tp", "heads", ep_with_tp=True, dense_with_tp_ep=False,
-                          sequence_parallel=False),
+                          sequence_parallel=False, engine="sglang"),
                EngineMode("dp-attention", "dp", ep_with_tp=True, dense_with_tp_ep=False,
-                          sequence_parallel=False)),
+                          sequence_parallel=False, engine="sglang")),
     "trtllm": (EngineMode("tp", "heads", ep_with_tp=False, dense_with_tp_ep=False,
-                          sequence_parallel=False),
+                          sequence_parallel=False, engine="trtllm"),
                EngineMode("attention-dp", "dp", ep_with_tp=True, dense_with_tp_ep=False,
-                          sequence_parallel=False)),
+                          sequence_parallel=False, engine="trtllm")),
 }
 
 
@@ -116,12 +127,34 @@ def mode_row(space: StrategySpace, mode: EngineMode, tp_idx: int) -> np.ndarray 
     return row
 
 
+def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,
+                     dense: bool) -> bool:
+    """Whether ``engine`` runs the experts split ``moe_tp x moe_ep`` other than (tp, ep)
+    over tp x ep ranks (module docstring); ``dense``: the model has dense MLP or
+    shared-expert layers (SGLang / TensorRT-LLM run them at the instance's whole tp, so not
+    beside tp > 1 and ep > 1)."""
+    group = tp * ep
+    if engine == "vllm":
+        return (moe_tp, moe_ep) in ((group, 1), (1, group))
+    if dense and tp > 1 and ep > 1:
+        return False
+    if engine == "trtllm":
+        return ep == 1 or tp == 1
+    return engine == "sglang"
+
+
 def degree_pairs(space: StrategySpace, mode: EngineMode, tps) -> tuple[tuple[int, int], ...]:
-    """The (tp, ep) values of ``space`` that ``mode`` expresses, for the tp values ``tps``."""
+    """The (tp, ep) values of ``space`` that ``mode`` expresses, for the tp values ``tps``
+    (with a fixed experts split: where its engine spells it, :func:`experts_split_ok`)."""
     dense = has_dense_mlp(space)
     out = []
     for tp in tps:
         for ep in space.values["ep"]:
+            mt, me = (int(x) for x in space.experts_split(tp, ep))
+            if mt and (mt, me) != (tp, ep):  # re-split: the engine's own rule
+                if mode.engine and experts_split_ok(mode.engine, tp, ep, mt, me, dense):
+                    out.append((int(tp), int(ep)))
+                continue
             if tp > 1 and ep > 1 and (not mode.ep_with_tp or (dense and not mode.dense_with_tp_ep)):
                 continue
             out.append((int(tp), int(ep)))
@@ -223,6 +256,11 @@ def runtime_choices(engine: str, space: StrategySpace, tp: int, ep: int, sp: int
             continue
         if sp > 1 and not mode.sequence_parallel:
             why.append(f"{mode.name}: no sequence parallelism")
+            continue
+        mt, me = (int(x) for x in space.experts_split(tp, ep))
+        if (tp, ep) not in degree_pairs(space, mode, [tp]) and mt and (mt, me) != (tp, ep):
+            why.append(f"{mode.name}: its flags do not split the experts moe_tp={mt} x "
+                       f"moe_ep={me} over tp={tp} x dp_attn={ep}")
             continue
         if (tp, ep) not in degree_pairs(space, mode, [tp]):
             why.append(f"{mode.name}: " + ("dense MLP layers at tp beside ep (they run at the "
