@@ -245,3 +245,19 @@ def test_qwen3_235b_attention_dp_8x4_communication_share(tmp_path):
         comm = bd["tp_comm_ms"] + bd["ep_comm_ms"]
         assert bd["ep_comm_ms"] > 0
         assert comm / max(bd["stage_ms"]) < 0.20, (phase, comm, bd["stage_ms"])
+
+
+@pytest.mark.parametrize("model, args, words", [
+    ("llama3_70b", ["--degrees", "dp_attn=8"], "use dp=N"),
+    ("llama3_70b", ["--degrees", "moe_tp=8"], "must multiply to"),
+    ("mixtral_8x7b", ["--degrees", "dp_attn=8,moe_tp=3"], "must multiply to"),
+    ("mixtral_8x7b", ["--degrees", "dp_attn=8,moe_tp=2", "--runtime", "vllm"],
+     "its flags do not split the experts moe_tp=2 x moe_ep=4"),
+])
+def test_simulate_refuses_a_split_in_one_line(model, args, words, monkeypatch, capsys):
+    import shardc.api
+
+    monkeypatch.setattr(shardc.api, "load_model_graph", lambda m, *a, **k: fixture_graph(m))
+    assert main(["simulate", model, "--mesh", "8x1", "--batch", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err

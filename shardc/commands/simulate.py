@@ -186,6 +186,9 @@ def run(args) -> int:
     else:
         cm = CostModel(graph, mesh, hw, workload, **kernel_options)
         space = StrategySpace(graph, mesh, workload, tp_domain=domain, fixed=split)
+    if deg.ep > 1 and not int(graph.config.get("num_experts", 0) or 0):
+        raise InputError(f"--degrees ep={deg.ep}: the model has no experts, so ep = dp_attn "
+                         "must be 1; for data parallelism of a dense model use dp=N")
     for name in ("tp", "ep", "pp"):
         if getattr(deg, name) not in space.values[name]:
             raise InputError(f"--degrees {name}={getattr(deg, name)}: not a candidate for this "
