@@ -188,12 +188,17 @@ def op_rows(graph: Graph, strategy: Strategy, dims: list[str]) -> list[dict]:
     residual = residual_placement(strategy.degrees)
     rows = []
 
+    # experts tensor-parallel over ep x tp (moe_ep = 1): over ep as over tp, on the
+    # gathered tokens
+    batch_dims = ("dp",) if strategy.degrees.moe_ep == 1 else ("dp", "ep")
+
     def add(slot, kind, step):
+        split = batch_dims if step.op.startswith("expert_ffn") else ("dp", "ep")
         rows.append({"name": slot, "kind": step.op, "layer_kind": kind,
                      "choice": step.choice.name,
-                     "placements": [("S(0)" if d in ("dp", "ep") else dtensor_spelling(step.produced))
+                     "placements": [("S(0)" if d in split else dtensor_spelling(step.produced))
                                     for d in dims],
-                     "input_placements": [("S(0)" if d in ("dp", "ep")
+                     "input_placements": [("S(0)" if d in split
                                            else dtensor_spelling(step.need)) for d in dims]})
 
     def add_branch(branch, ops, kind):

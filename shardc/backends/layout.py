@@ -177,6 +177,8 @@ def use_placements(use: dict, ndim: int, strategy: Strategy,
     op, layer = use.get("op"), use.get("layer")
     kind = kind_of_layer.get(layer) if layer is not None else None
     dims = list(use.get("split_dims") or (None, None))
+    if strategy.degrees.experts_resplit and use.get("expert_dim") is not None:
+        return resplit_expert_placements(use, dims, ndim, strategy, kind)
     out = []
     for dim in spmd_dims(strategy.degrees):
         p = "R"
@@ -188,6 +190,31 @@ def use_placements(use: dict, ndim: int, strategy: Strategy,
                 p = f"S({dims[c]})"
         out.append(p)
     return out
+
+
+def resplit_expert_placements(use: dict, dims: list, ndim: int, strategy: Strategy,
+                              kind: str | None) -> list[str]:
+    """Placements of a stacked expert weight whose experts are split moe_tp x moe_ep other
+    than (tp, ep) (:class:`~shardc.ir.strategy.Degrees`): all tensor-parallel (moe_ep = 1:
+    its op's column / row dim cut over ep and tp, ep outer) or all expert-parallel (moe_tp
+    = 1: the expert dim cut over both). Another split factors one mesh dim in two, which a
+    placement per mesh dim cannot say: InputError (``shardc simulate`` prices it)."""
+    from shardc.errors import InputError
+
+    d = strategy.degrees
+    if d.moe_ep == 1:
+        c = op_choice(strategy, use["op"], kind)
+        cut = dims[c] if c in (0, 1) and dims[c] is not None and dims[c] < ndim else None
+    elif d.moe_tp == 1:
+        cut = use["expert_dim"]
+    else:
+        cut = None
+    if cut is None:
+        raise InputError(f"the experts split moe_tp={d.moe_tp} x moe_ep={d.moe_ep} over "
+                         f"tp={d.tp} x dp_attn={d.ep} factors a mesh dim in two, which "
+                         "plan.json's placements cannot say (compile takes moe_tp = tp x "
+                         "dp_attn or moe_ep = tp x dp_attn; shardc simulate prices any split)")
+    return [f"S({cut})" if dim in ("ep", "tp") else "R" for dim in spmd_dims(d)]
 
 
 def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list[dict]:

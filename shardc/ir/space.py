@@ -161,6 +161,7 @@ class StrategySpace:
                                  f"{self.replica_gpus} GPUs per replica")
         if "moe_tp" in f or "moe_ep" in f:
             self._check_fixed_experts_split(experts)
+            sp = [0]  # sequence parallelism needs the experts at the attention tp
         if "sp" in f and f["sp"] != 1:
             if f["sp"] != SP_ON and ("tp" not in f or f["sp"] != f["tp"]):
                 raise InputError(f"--degrees sp={f['sp']}: sp is 1 (off) or equal to tp (on)")
