@@ -261,3 +261,42 @@ def test_simulate_refuses_a_split_in_one_line(model, args, words, monkeypatch, c
     assert main(["simulate", model, "--mesh", "8x1", "--batch", "64", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err
+
+
+def test_compile_writes_the_split_into_plan_json(tmp_path, capsys):
+    """The tiny Mixtral at dp_attn=4, moe_tp=4: plan.json's degrees carry the split, the
+    expert weights are cut over ep and tp by their column / row dims (1/4 of each expert per
+    rank), the gate says the runtime does not run it, and no parallelize.py is written."""
+    out = tmp_path / "o"
+    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "50",
+                 "--degrees", "dp_attn=4,moe_tp=4", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["degrees"]["moe_tp"] == 4 and plan["degrees"]["moe_ep"] == 1
+    assert plan["backend"]["runs"] is False and "moe_tp=4" in plan["backend"]["reason"]
+    assert not (out / "parallelize.py").exists()
+    rows = [r for r in plan["params"] if r.get("expert_dim") is not None]
+    assert rows
+    for r in rows:
+        cut = r["split_dims"][0 if r["op"] == "expert_ffn1" else 1]
+        assert r["placements"] == [f"S({cut})"]
+        assert r["local_shape"][cut] * 4 == r["shape"][cut]
+        assert r["local_shape"][r["expert_dim"]] == r["shape"][r["expert_dim"]]
+    flags = plan["launch"]["vllm"]["pools"][0]["flags"]
+    assert "--enable-expert-parallel" not in flags
+    capsys.readouterr()
+    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "50",
+                 "--degrees", "dp_attn=4,moe_tp=2", "--out", str(tmp_path / "p")]) == 2
+    assert "factors a mesh dim in two" in capsys.readouterr().err
+
+
+def test_verify_refuses_a_resplit_plan(tmp_path, capsys):
+    """verify scales a plan's degrees and runs parallelize.py: on a re-split plan that would
+    run the default split, a different strategy, so it says so instead (exit 2)."""
+    out = tmp_path / "o"
+    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "20",
+                 "--degrees", "dp_attn=4,moe_tp=4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "examples/tiny_mixtral.py", "--plan", str(out / "plan.json"),
+                 "--world", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "moe_tp=4 x moe_ep=1" in err

@@ -267,6 +267,11 @@ def run(args) -> int:
 
     _check_args(args)
     plan = load_plan(args.plan)
+    from shardc.backends.support import experts_split_problem
+
+    split = experts_split_problem(plan.strategy().degrees)
+    if split:  # the runtime would run the default split: a different strategy
+        raise InputError(f"{args.plan}: {split}; nothing to verify against")
     caps = _degree_caps(plan.strategy(), args.world)
     src = load_model_file(args.model, tiny_degrees=caps)
     model, inputs = src.build(tiny=True)
