@@ -218,11 +218,13 @@ def aic_estimate_of_plan(cache: ac.Cache, folder: Path, moe: bool, case: ServeCa
 
 def shardc_simulate_of_aic(case: ServeCase, aic_agg: dict, moe: bool) -> dict:
     """shardc's `simulate --phase serve --mode agg` of AIConfigurator's best aggregated
-    worker (degrees and max batch), when the parallelism is expressible (expert TP = TP)."""
+    worker (degrees and max batch): attention TP x DP = tp x dp_attn, the experts' TP x EP
+    = moe_tp x moe_ep (shardc's degrees say any split whose product is tp x dp_attn)."""
     tp, pp, dp, etp, eep = (aic_agg.get(k, 1) for k in ("tp", "pp", "dp", "moe_tp", "moe_ep"))
-    if moe and (etp != tp or eep != dp):
+    if moe and etp * eep != tp * dp:
         return {"error": f"not expressible in shardc's degrees: {aic_agg.get('parallel')}"}
-    degrees = f"tp={tp},pp={pp}" + (f",ep={eep}" if moe and eep > 1 else "")
+    degrees = f"tp={tp},pp={pp}" + (f",dp_attn={dp},moe_tp={etp},moe_ep={eep}"
+                                    if moe and dp * tp > 1 else "")
     batch = aic_agg["batch"] * pp * (dp if moe else 1)  # per rank per micro-batch -> replica
     with tempfile.TemporaryDirectory(prefix="shardc_sim_") as tmp:
         out = Path(tmp) / "sim.json"
