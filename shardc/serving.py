@@ -158,7 +158,8 @@ class ServeChoice:
         parts = []
         for role, workers, s, _ in self.pools:
             d = s.degrees
-            deg = " ".join(f"{k}={getattr(d, k)}" for k in ("tp", "ep", "pp") if getattr(d, k) > 1)
+            deg = " ".join(f"{k}={v}" for k, v in d.as_dict().items()
+                           if k in ("tp", "ep", "pp", "moe_tp", "moe_ep") and v > 1)
             parts.append(f"{role} {workers}x[{deg or 'tp=1'} batch={s.batch}]")
         return f"{self.mode}: " + ", ".join(parts)
 
