@@ -10,7 +10,6 @@ from cost_graphs import fixture_graph
 
 from shardc.cli import main
 from shardc.cost import CostModel
-from shardc.cost.collectives import COLLECTIVE_KINDS
 from shardc.errors import InputError
 from shardc.ir.space import MEGATRON_CHOICE, StrategySpace
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
