@@ -13,6 +13,12 @@ A plan records its model's parameter table (plan.json ``model.fingerprint``):
 :class:`ModelMismatch` (a ``ValueError``) naming the first difference; ``Plan.apply``, the
 emitted ``parallelize.py`` (the default file and the ``--standalone`` one, which inlines
 this module) and ``shardc verify`` call it before placing anything.
+
+After placing, :func:`check_placed` compares every parameter the plan splits (a ``Shard``
+in its params row) with the local shape the row says (:func:`placed_table`, emitted into the
+file as ``PLACED``) and raises :class:`NotPlaced` (a :class:`ModelMismatch`) naming the first
+one left whole or cut otherwise: a model whose names and shapes match but whose class or
+forward path keeps a weight from being replaced.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ _DIGEST_MODULUS = (1 << 127) - 1  # a Mersenne prime: digests are 32 hex digits
 class ModelMismatch(ValueError):
     """The model is not the one the plan was made for (the message names the first
     difference)."""
+
+
+class NotPlaced(ModelMismatch):
+    """After placement a parameter the plan splits does not have the local shape its params
+    row says (the message names the first)."""
 
 
 def name_pattern(fqn: str) -> str:
@@ -97,3 +108,82 @@ def check_model(model, expected: dict) -> None:
     why = first_difference(model_shapes(model), expected)
     if why is not None:
         raise ModelMismatch(f"the model does not match the plan: {why}")
+
+
+def placed_table(rows: list[dict], dims: list[str]) -> dict:
+    """What :func:`check_placed` compares: ``{"dims": dims, "patterns": {pattern: [shape,
+    placements, local_shape]}, "names": {fqn: [...]}}`` of the params rows with a ``Shard``;
+    a name pattern whose rows all agree (every layer's ``q_proj``) is one entry, the rows
+    of a pattern placed differently in different layers are listed by name (a pattern with
+    a row left whole is listed by name too: its other names are unsplit). ``dims``: the
+    SPMD mesh dims the rows' placements lists refer to (plan.json ``spmd_dims``)."""
+    by_pattern: dict[str, list] = {}
+    for r in rows:
+        entry = [[int(s) for s in r["shape"]], [str(p) for p in r["placements"]],
+                 [int(s) for s in r["local_shape"]]]
+        by_pattern.setdefault(name_pattern(str(r["fqn"])), []).append((str(r["fqn"]), entry))
+    patterns, names = {}, {}
+    for pattern, items in sorted(by_pattern.items()):
+        split = [(f, e) for f, e in items if any(p.startswith("S(") for p in e[1])]
+        if not split:
+            continue
+        if len(split) == len(items) and all(e == split[0][1] for _, e in split):
+            patterns[pattern] = split[0][1]
+        else:
+            names.update(dict(split))
+    return {"dims": [str(d) for d in dims], "patterns": patterns, "names": names}
+
+
+def _local_sizes(size: int, ways: int, coordinate) -> set[int]:
+    """A dim of ``size`` cut ``ways`` ways as DTensor's ``Shard`` cuts it (``torch.chunk``:
+    ceil-sized pieces, the last ones shorter or empty): the piece of rank ``coordinate`` on
+    that mesh dim, or every piece's size when it is unknown (None)."""
+    piece = -(-size // ways)
+    coords = range(ways) if coordinate is None else (coordinate,)
+    return {max(0, min(piece, size - c * piece)) for c in coords}
+
+
+def _mesh_coordinates(mesh, dims: list[str]) -> dict:
+    """``{dim: (size, this rank's coordinate or None)}`` of ``mesh``'s dims named ``dims``
+    (a mesh without such names: sizes and coordinates unknown, None)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    out = {}
+    for d in dims:
+        if d in names:
+            out[d] = (int(mesh.size(names.index(d))), int(mesh.get_local_rank(d)))
+        else:
+            out[d] = (None, None)
+    return out
+
+
+def check_placed(model, placed: dict, mesh=None) -> None:
+    """:class:`NotPlaced` unless every parameter of ``model`` (after placement) that
+    ``placed`` (:func:`placed_table`) splits has the local shape its row says: the row's
+    ``local_shape``, or on an uneven cut this rank's piece (:func:`_local_sizes`).
+    ``mesh``: the world mesh (its coordinates say which piece this rank holds). Parameters
+    another pipeline stage holds are not in ``model`` and are not checked."""
+    dims = placed["dims"]  # the SPMD mesh dims each row's placements list refers to
+    coords = _mesh_coordinates(mesh, dims)
+    for fqn, param in model.named_parameters():
+        entry = placed["names"].get(fqn) or placed["patterns"].get(name_pattern(fqn))
+        if entry is None:  # replicated by the plan, or not the plan's parameter
+            continue
+        shape, placements, local = entry
+        have = [int(s) for s in getattr(param, "to_local", lambda: param)().shape]
+        ok = have == local
+        if not ok and len(have) == len(shape):  # an uneven cut: this rank's piece
+            want = [{s} for s in shape]
+            for d, p in zip(dims, placements):
+                if p.startswith("S("):
+                    k = int(p[2:-1])
+                    ways, coord = coords.get(d, (None, None))
+                    if ways is None:  # no mesh to read: any piece of a cut of the row's size
+                        ways = max(1, -(-shape[k] // max(local[k], 1)))
+                    want[k] = {n for s in want[k] for n in _local_sizes(s, ways, coord)}
+            ok = all(h in w for h, w in zip(have, want))
+        if not ok:
+            how = "was left whole" if have == shape else "was cut otherwise"
+            raise NotPlaced(f"the plan was not applied: {fqn} {how} (local shape {have} on "
+                            f"this rank; the plan's params row says {local}, {shape} placed "
+                            f"{' '.join(placements)} over {' x '.join(dims)}); its module's "
+                            "class or forward path is not the one the plan was made for")

@@ -142,7 +142,8 @@ class Plan:
     # ------------------------------------------------------------------ io
     def save(self, path: str | Path) -> Path:
         """Write plan.json atomically (temp file in the same directory + os.replace), as
-        strict JSON (a NaN or infinity is a bug: ValueError)."""
+        strict JSON (a NaN or infinity is a bug: ValueError), to a new path or over a regular
+        file. The folder must exist: InputError naming it otherwise (no folder is created)."""
         import os
 
         from shardc.backends.atomic import write_file_atomic
@@ -151,9 +152,8 @@ class Plan:
             raise InputError(f"Plan.save: expected a path (str or Path), got "
                              f"{type(path).__name__}")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         return write_file_atomic(path, dumps_strict_json(self.to_dict(), indent=2) + "\n",
-                                 str(path))
+                                 f"Plan.save {path}")
 
     # ------------------------------------------------------------------ backend
     def code(self, standalone: bool = False) -> str:
@@ -172,13 +172,18 @@ class Plan:
         None) by running this plan's ``parallelize.py`` (:meth:`code`): ``Plan.apply`` and the
         emitted file are one code path, whichever runtime the plan gets. The generated source
         holds plan values only as escaped literals (docs/errors.md, "Model files are code"),
-        so running it runs nothing from the plan's text."""
+        so running it runs nothing from the plan's text. After placement the file checks
+        that every parameter the plan splits was split (:func:`shardc.fingerprint.check_placed`):
+        InputError naming the first one left whole."""
         import types
 
         self.check_model(model)  # before anything is placed: exit 2 naming the difference
         module = types.ModuleType("shardc_parallelize")
         exec(compile(self.code(), "<parallelize.py>", "exec"), module.__dict__)  # noqa: S102
-        return module.parallelize(model, device_mesh)
+        try:
+            return module.parallelize(model, device_mesh)
+        except ModelMismatch as e:  # a parameter the plan splits was left whole
+            raise InputError(str(e)) from None
 
 
 # ---------------------------------------------------------------------- construction

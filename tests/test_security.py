@@ -40,9 +40,10 @@ PAYLOADS = [
     "x\\N{oops} \x00 \u2028 \u202e caf\u00e9 {braces} %s",  # bad escape, NUL, bidi, format
 ]
 # the module-level statements every parallelize.py has, in order
-# docstring, imports, the data (six plan assignments + MODEL_FINGERPRINT + WALKS + PREDICTED), parallelize and
+# docstring, imports, the data (six plan assignments + MODEL_FINGERPRINT + PLACED + WALKS +
+# PREDICTED), parallelize and
 # generate, and the ``if __name__ == "__main__":`` --bench guard
-EXPECTED_TOP = ["Expr", "Import", "ImportFrom", "ImportFrom", "ImportFrom"] + ["Assign"] * 9 \
+EXPECTED_TOP = ["Expr", "Import", "ImportFrom", "ImportFrom", "ImportFrom"] + ["Assign"] * 10 \
     + ["FunctionDef", "FunctionDef", "If"]
 MAIN_GUARD = "if __name__ == '__main__':\n    bench_main(None, parallelize, WALKS, LAYER_KINDS, " \
     "MESH_SHAPE, MESH_DIM_NAMES, PREDICTED)"
@@ -63,7 +64,7 @@ def assert_inert(src: str, tmp_path: Path, monkeypatch):
     tree = ast.parse(src)  # also fails on NUL bytes and bad escapes
     assert [type(s).__name__ for s in tree.body] == EXPECTED_TOP, ast.dump(tree)[:2000]
     assert ast.unparse(tree.body[-1]) == MAIN_GUARD  # the one statement run as a script
-    for stmt in tree.body[5:14]:  # the data assignments: literals (and list(range(...)))
+    for stmt in tree.body[5:15]:  # the data assignments: literals (and list(range(...)))
         for node in ast.walk(stmt.value):
             if isinstance(node, ast.Call):
                 assert ast.unparse(node.func) in ("list", "range"), ast.unparse(node)

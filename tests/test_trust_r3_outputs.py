@@ -115,6 +115,23 @@ def test_plan_save_refuses_a_symlink(tmp_path):
     assert target.read_text() == "mine"
 
 
+def test_plan_save_creates_no_missing_folder(tmp_path):
+    """Plan.save (and every single-file output) writes into an existing folder only: a
+    missing one is an error naming it, and nothing is created (was: made with parents)."""
+    import shardc
+
+    plan = shardc.compile(TINY, mesh="1x1", search="megatron", budget=10)
+    with pytest.raises(InputError, match=r"Plan.save .*: the folder .*/no/such does not "
+                                         r"exist \(single-file outputs create no folders"):
+        plan.save(tmp_path / "no" / "such" / "plan.json")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="the folder .*file is not a folder"):
+        write_file_atomic(tmp_path / "file" / "out.json", "{}", "--json file/out.json")
+    assert _tree(tmp_path) == ["file"]
+    plan.save(tmp_path / "plan.json")  # an existing folder: written
+    assert _tree(tmp_path) == ["file", "plan.json"]
+
+
 # ------------------------------------------------------------ 3. the set replaces the set
 def test_a_new_set_removes_the_previous_sets_other_outputs_and_keeps_the_users(tmp_path):
     out = tmp_path / "o"
@@ -140,6 +157,24 @@ def test_a_failed_write_puts_back_the_files_it_would_have_removed(tmp_path):
         write_outputs(out, {"plan.json": "new", "search.png": boom}, owned=COMPILE_OUTPUTS)
     assert {p: (out / p).read_text() for p in _tree(out)} == {"pareto.png": "x",
                                                                "plan.json": "old"}
+
+
+def test_a_bench_rerun_replaces_its_set_and_creates_no_stray_folder(tmp_path, capsys):
+    """``shardc bench`` writes its tables as one set, as compile does: a re-run whose rows
+    JSON goes elsewhere removes the earlier run's ``zoo.json`` beside the new tables (was: a
+    stale JSON next to them), keeps other suites' and the user's files, and ``--out a/../b``
+    creates no ``a`` (was: made before the run)."""
+    argv = ["bench", "--suite", "zoo", "--cases", "mixtral-8x7b 8x1 decode", "--seeds", "1",
+            "--budget", "1", "--policies", "megatron", "--out", str(tmp_path / "a" / ".." / "o")]
+    assert main(argv) == 0
+    out = tmp_path / "o"
+    assert _tree(tmp_path) == ["o", "o/zoo.json", "o/zoo.md", "o/zoo_search.png"]
+    (out / "paper.md").write_text("another suite's table")
+    (out / "notes.txt").write_text("mine")
+    assert main(argv + ["--json", str(tmp_path / "rows.json")]) == 0
+    assert _tree(out) == ["notes.txt", "paper.md", "zoo.md", "zoo_search.png"]
+    assert json.loads((tmp_path / "rows.json").read_text())["rows"]
+    capsys.readouterr()
 
 
 # ------------------------------------------------------------ 4. stray folders, leftovers

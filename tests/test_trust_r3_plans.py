@@ -7,6 +7,7 @@ with one line. Each test failed on main before the fix."""
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import sys
 import types
@@ -214,3 +215,83 @@ def test_parallelize_still_runs_the_model_it_was_made_for(plan):
         assert torch.allclose(getattr(out, "full_tensor", lambda: out)(), ref, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------ 4. every split parameter was split
+class KeepsWeight(torch.nn.Linear):
+    """A Linear whose class keeps its own weight: a style's ``register_parameter`` of the
+    sharded weight is ignored (as a quantised or frozen layer class may do). Names and shapes
+    are a plain Linear's, so the model passes the fingerprint and the weight stays whole."""
+
+    def register_parameter(self, name, param):
+        if self._parameters.get(name) is not None:
+            return
+        super().register_parameter(name, param)
+
+
+def _keeps_down_proj():
+    import llama3_70b
+
+    model = llama3_70b.tiny_model()
+    model.model.layers[1].mlp.down_proj.__class__ = KeepsWeight
+    return model
+
+
+@pytest.fixture
+def fake_world_of_two():
+    """Rank 0 of 2 on torch's ``fake`` process group (placement only, no peers)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+LEFT_WHOLE = r"model\.layers\.1\.mlp\.down_proj\.weight was left whole \(local shape " \
+             r"\[64, 128\] on this rank; the plan's params row says \[64, 64\]"
+
+
+def test_apply_refuses_a_model_that_keeps_a_split_weight_whole(plan, fake_world_of_two):
+    plan.apply(_llama_real())  # the plain model: placed as the plan says, no error
+    with pytest.raises(InputError, match=LEFT_WHOLE):
+        plan.apply(_keeps_down_proj())
+
+
+@pytest.mark.parametrize("standalone", [False, True])
+def test_emitted_parallelize_refuses_a_weight_left_whole(plan, standalone, fake_world_of_two):
+    module = types.ModuleType("generated")
+    exec(compile(plan.code(standalone=standalone), "parallelize.py", "exec"),  # noqa: S102
+         module.__dict__)
+    module.parallelize(_llama_real())
+    with pytest.raises(ValueError, match=LEFT_WHOLE):
+        module.parallelize(_keeps_down_proj())
+
+
+def _llama_real():
+    import llama3_70b
+
+    return llama3_70b.tiny_model()
+
+
+def test_verify_refuses_a_weight_left_whole_with_exit_2(plan, tmp_path, capsys):
+    """Two gloo ranks run the plan's file on a model file whose class keeps one weight: exit
+    2 naming it (was: the ranks failed inside DTensor, or a silently partial placement)."""
+    model_file = tmp_path / "keeps_weight.py"
+    model_file.write_text(f"import sys\n\nimport torch\n\n"
+                          f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+                          "import llama3_70b  # noqa: E402\n\n\n"
+                          + inspect.getsource(KeepsWeight) + "\n\n"
+                          + inspect.getsource(_keeps_down_proj) + "\n\n"
+                          "def build_model():\n    return _keeps_down_proj()\n\n\n"
+                          "def example_inputs():\n    return llama3_70b.tiny_inputs()\n\n\n"
+                          "tiny_model, tiny_inputs = build_model, example_inputs\n")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert main(["verify", str(model_file), "--plan", str(path), "--world", "2"]) == 2
+    out = capsys.readouterr()
+    assert "verify OK" not in out.out
+    line = _one_line(out.err)
+    assert "model.layers.1.mlp.down_proj.weight was left whole" in line

@@ -27,7 +27,7 @@ renames can still leave a mix; nothing short of a directory swap prevents that.
 :func:`write_file_atomic` (``simulate --json``, ``inspect --out``, ``Plan.save``) writes one
 file through a temporary file and ``os.replace``, to a new path or over a regular file only:
 a symlink, device, FIFO or folder at the path is refused (never replaced, never written
-through).
+through), and so is a path whose folder does not exist (no folder is created for it).
 """
 
 from __future__ import annotations
@@ -335,13 +335,18 @@ def check_single_file_target(path: Path, what: str) -> None:
 def write_file_atomic(path: str | Path, content, what: str) -> Path:
     """Write one file (content as in :func:`write_outputs`) through a temporary file in the
     same folder and ``os.replace``, to a new path or over a regular file only
-    (:func:`check_single_file_target`); a folder that cannot be written is
-    :class:`InputError` naming ``what`` (e.g. ``--json out.json``)."""
+    (:func:`check_single_file_target`); a folder that does not exist (none is created) or
+    cannot be written is :class:`InputError` naming ``what`` (e.g. ``--json out.json``)."""
     path = Path(path)
     try:
         folder = Path(os.path.realpath(path.absolute().parent))
     except (OSError, ValueError) as e:
         raise InputError(f"{what}: cannot write ({e})") from None
+    if not os.path.isdir(folder):  # never created here: a typo would scatter folders
+        shown = path.parent if str(path.parent) not in ("", ".") else folder
+        why = "is not a folder" if os.path.lexists(folder) else "does not exist"
+        raise InputError(f"{what}: the folder {shown} {why} (single-file outputs create no "
+                         "folders; create it first)")
     target = folder / path.name
     with signals_end_the_run(f"writing {path}"):
         check_single_file_target(target, what)

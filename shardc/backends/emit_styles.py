@@ -29,6 +29,7 @@ from shardc.backends.emit_runtime import TAIL_NAMES, runtime_data, runtime_tail
 from shardc.backends.emit_text import _DOC, _comment, _literal, _ranges, doc_fields
 from shardc.backends.pipeline_styles import stage_emit
 from shardc.backends.torch_styles import style_plan
+from shardc.fingerprint import placed_table
 from shardc.ir.windows import variant_text
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
@@ -185,6 +186,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         body.append(f"{pad}parallelize_module(model, tp_mesh, {{")
         body += _plan_dict(entries, len(pad))
         body.append(f"{pad}}}, src_data_rank=None)")
+    body.append("    check_placed(model, PLACED, world_mesh)  # every split parameter was split")
     body += pipe.runner() if pipe else []
     body.append(_comment("dp x ep: each rank serves its slice of the batch (flattened mesh); "
                          "logits all-gathered"))
@@ -207,7 +209,8 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
                       f"BATCH = {_literal(int(st.batch))}",
                       f"LAYER_KINDS = {_literal(_ranges(kinds))}",
                       f"CHOICES = {_literal({str(o['name']): str(o['choice']) for o in plan.ops})}",
-                      f"MODEL_FINGERPRINT = {_literal(plan.fingerprint())}"]
+                      f"MODEL_FINGERPRINT = {_literal(plan.fingerprint())}",
+                      f"PLACED = {_literal(placed_table(plan.params, plan.spmd_dims))}"]
                      + ([pipe.data()] if pipe else []) + [runtime_data(plan)])
     used = {n for n in (*_TORCH_NAMES, *_RUNTIME_NAMES) if re.search(rf"\b{n}\(", code_text)}
     straight: set[str] = {"torch"}
@@ -219,7 +222,7 @@ def emit_style_parallelize(plan, inline: bool = True) -> str:
         runtime = "\n\n" + _runtime_sources(straight, froms, pipeline=pipe is not None)
     else:  # torch's styles and placements too, re-exported by shardc.runtime: one import
         froms["shardc.runtime"] = used | set(TAIL_NAMES)
-        froms["shardc.fingerprint"] = {"check_model"}
+        froms["shardc.fingerprint"] = {"check_model", "check_placed"}
     third = {m: ns for m, ns in froms.items() if not m.startswith("shardc")}
     imports = _import_block(straight, third)
     if "shardc.runtime" in froms:

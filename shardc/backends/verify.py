@@ -52,6 +52,7 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
             plan_code, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from shardc.fingerprint import ModelMismatch
     from shardc.frontends import graph_from_module
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -111,6 +112,8 @@ def _worker(rank: int, world: int, port: int, suites: list, batch: int, seq: int
                             res["error"] = f"rank {rank}: {err}"
                 except Exception as e:  # reported per case; the other cases still run
                     res["error"] = f"{type(e).__name__}: {e}"
+                    if isinstance(e, ModelMismatch):  # the model refused the plan: bad input
+                        res["refused"] = str(e)
                     if os.environ.get("SHARDC_DEBUG"):
                         import traceback
 
@@ -291,7 +294,9 @@ def run_suites(suites: list[tuple[str, list[Case]]], world: int, batch: int | No
 
 def merge_rank_results(name: str, per_rank: list[dict | None]) -> dict:
     """One case's result from every rank's (None: the rank did not finish it): the first
-    error, the worst relative error (:func:`worst_rel_err`), ``seconds`` from rank 0."""
+    error, the worst relative error (:func:`worst_rel_err`), ``seconds`` from rank 0, and
+    ``refused`` (the first rank's message) where the plan's file refused the model
+    (:class:`shardc.fingerprint.ModelMismatch`, e.g. a parameter left whole)."""
     res = {"name": name, "rel_err": None, "error": None}
     if per_rank and per_rank[0] is not None:
         res["seconds"] = per_rank[0].get("seconds")
@@ -302,6 +307,8 @@ def merge_rank_results(name: str, per_rank: list[dict | None]) -> dict:
             continue
         if rr.get("error"):
             res["error"] = res["error"] or rr["error"]
+        if rr.get("refused"):  # the first rank's: every rank checks the same rows
+            res["refused"] = res.get("refused") or rr["refused"]
         res["rel_err"] = worst_rel_err(res["rel_err"], rr.get("rel_err"))
         if rr.get("shape_ok") is False:
             res["error"] = res["error"] or "logits shape differs"

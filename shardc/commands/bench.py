@@ -184,6 +184,43 @@ def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None,
         return out
 
 
+def bench_outputs(suite: str, out: Path, jpath: Path) -> tuple[list[str], tuple[str, ...]]:
+    """(the names ``shardc bench --suite suite`` writes into ``out``: the markdown, the plot,
+    and the rows JSON when ``jpath`` is in ``out``; the glob patterns of every output a
+    run of that suite may leave there). A re-run replaces the whole set as compile's does
+    (:func:`shardc.backends.atomic.write_outputs`): an earlier run's ``<suite>.json`` in
+    ``out`` goes when this run writes its JSON elsewhere; other suites' files stay."""
+    import glob
+
+    from shardc.backends.atomic import resolve_out
+
+    names = [f"{suite}.md", f"{suite}_search.png"]
+    if resolve_out(jpath.parent) == resolve_out(out):
+        if jpath.name in names:
+            raise InputError(f"--json {jpath}: the same file as the {suite} table or plot")
+        names.append(jpath.name)
+    esc = glob.escape(suite)
+    return names, (f"{esc}.md", f"{esc}_search.png", f"{esc}.json")
+
+
+def check_output_place(out: Path, names: list[str]) -> None:
+    """InputError before a long run when ``out`` cannot take ``names``: an entry on their way
+    is a symlink or not a regular file (:func:`shardc.backends.atomic.check_entries`), or
+    the nearest existing folder on the way is not a writable folder. Creates nothing (the
+    writer creates ``out`` with the first tables; ``o/a/../b`` never creates ``o/a``)."""
+    import os
+
+    from shardc.backends.atomic import check_entries, resolve_out
+
+    folder = resolve_out(out)
+    check_entries(folder, names, out)
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{out}: cannot write outputs there ({folder} is not a writable "
+                         "folder)")
+
+
 def run(args) -> int:
     from shardc.search import plot_search_curve
     from shardc.search.report import markdown
@@ -211,11 +248,9 @@ def run(args) -> int:
     if budget < 1 or seeds < 1 or args.jobs < 1:
         raise InputError("--budget, --seeds and --jobs must be positive")
     out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"{out}: cannot write outputs there ({e.strerror or e})") from None
     jpath = Path(args.json) if args.json else out / f"{args.suite}.json"
+    names, owned = bench_outputs(args.suite, out, jpath)
+    check_output_place(out, names)  # before the run, creating nothing
     cmd = " ".join(["shardc", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
         f"shardc bench --suite {args.suite} --budget {budget} --seeds {seeds}"
 
@@ -241,8 +276,13 @@ def run(args) -> int:
                               exact=by.get("exact", {}).get("best"),
                               title=cases[0]["name"] + " (seed 0)")
 
-        write_outputs(out, {md_path.name: text, f"{args.suite}_search.png": plot})
-        write_outputs(jpath.parent, {jpath.name: dumps_strict_json({"rows": rows}, indent=1) + "\n"})
+        rows_json = dumps_strict_json({"rows": rows}, indent=1) + "\n"
+        files = {md_path.name: text, f"{args.suite}_search.png": plot}
+        if len(names) == 3:  # the JSON beside them: one set
+            files[jpath.name] = rows_json
+        write_outputs(out, files, owned=owned)  # this suite's earlier outputs it lacks: removed
+        if len(names) == 2:  # --json elsewhere: its own file
+            write_outputs(jpath.parent, {jpath.name: rows_json})
 
     results = _run_all(cases, policies, budget, seeds, args.jobs, args.ray, args.exact_limit,
                        on_case=write)

@@ -10,7 +10,8 @@ original layers they play. A plan made for a bigger mesh keeps its per-op choice
 degrees scaled down to fit N ranks and the tiny model's shapes; what was scaled is printed.
 Exit 0 when the logits match within ``--tol`` (relative to the largest logit), 1 when they do
 not or cannot be compared (NaN / Inf on either side, a rank failed): one line on stdout
-saying by how much or what failed; 2 for bad input.
+saying by how much or what failed; 2 for bad input, a model other than the plan's, or one
+whose ranks' placement left a parameter the plan splits whole (named).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import math
 import sys
 
+from shardc.text import one_line
 from shardc.validate import ascii_float, ascii_int
 
 MAX_WORLD = 64  # local gloo processes one verify starts (each builds the tiny model)
@@ -250,16 +252,70 @@ def tiny_plan(plan, graph, strategy, layer_kinds):
                    params=rows, nodes=[])
 
 
-def run(args) -> int:
+def pool_plans(plan) -> list[tuple[str | None, object]]:
+    """``[(pool role, its plan)]`` to check: every pool of a disaggregated plan (plan.json
+    ``serving.pools``: the top level is the decode pool's plan; each pool has its own degrees,
+    batch and per-op choices, checked against the top level's ops: InputError otherwise),
+    else ``[(None, plan)]`` (one plan, an aggregated pool's too)."""
     from dataclasses import replace
 
-    from shardc.backends.support import (
-        backend_problem,
-        family_name,
-        refusal,
-        torch_style_verdict,
-    )
-    from shardc.backends.verify import Case, run_cases
+    from shardc.errors import InputError
+    from shardc.ir.contract import CHOICE_NAMES
+
+    sv = plan.serving or {}
+    if sv.get("mode") != "disagg" or not sv.get("pools"):
+        return [(None, plan)]
+    kind_of = {o["name"]: o["kind"] for o in plan.ops}
+    out = []
+    for pool in sv["pools"]:
+        where = f"plan.json: serving: pool {one_line(pool['role'])!r}"
+        ops = []
+        for o in pool["ops"]:
+            kind = kind_of.get(o["name"])
+            if kind is None or o["choice"] not in CHOICE_NAMES[kind]:
+                raise InputError(f"{where}: op {one_line(o['name'])!r} choice "
+                                 f"{one_line(o['choice'])!r} is not one of the plan's ops' "
+                                 "choices")
+            ops.append({"name": o["name"], "kind": kind, "choice": o["choice"]})
+        if sorted(o["name"] for o in ops) != sorted(kind_of):
+            raise InputError(f"{where}: its ops are not the plan's ({len(ops)} entries for "
+                             f"{len(kind_of)} ops)")
+        out.append((str(pool["role"]), replace(
+            plan, degrees=dict(pool["degrees"]), ops=ops,
+            workload={**plan.workload, "batch": int(pool.get("batch") or 1)})))
+    return out
+
+
+def _pool_case(label, pool_plan, graph, model, kinds, args, problem):
+    """(the :class:`~shardc.backends.verify.Case` running ``pool_plan`` scaled to the tiny
+    model on ``args.world`` ranks, its degrees); prints what was scaled."""
+    from dataclasses import replace
+
+    from shardc.backends.support import family_name, refusal, torch_style_verdict
+    from shardc.backends.verify import Case
+    from shardc.errors import InputError
+
+    what = f"the {label} pool's" if label else "the plan's"
+    check_tiny_matches(pool_plan, graph, pool_plan.strategy(), kinds, model)
+    strategy, notes = fit_degrees(graph, pool_plan.strategy(), kinds, args.world)
+    deg = strategy.degrees
+    scaled = replace(tiny_plan(pool_plan, graph, strategy, kinds), backend={})
+    if problem:  # the first runtime cannot: the torch-style one must (as compile decides)
+        verdict = torch_style_verdict({"runs": False,
+                                       "reason": refusal(family_name(model), problem)},
+                                      [scaled], graph)
+        if not verdict["runs"]:  # a model no parallelize.py can run: exit 2
+            raise InputError(f"{args.model}: {verdict['reason']}; no parallelize.py would work")
+    if notes:
+        print(f"scaled {what} degrees to fit {args.world} ranks and the tiny model: "
+              + ", ".join(notes) + " (per-op choices kept)")
+    # the scaled plan's own parallelize.py, the file Plan.apply runs (same choices)
+    return Case(label or "plan", deg.as_dict(), {}, kinds, code_text=scaled.code()), deg
+
+
+def run(args) -> int:
+    from shardc.backends.support import backend_problem
+    from shardc.backends.verify import run_cases
     from shardc.errors import InputError
     from shardc.frontends import graph_from_module
     from shardc.frontends.model_file import load_model_file
@@ -269,10 +325,16 @@ def run(args) -> int:
     plan = load_plan(args.plan)
     from shardc.backends.support import experts_split_problem
 
-    split = experts_split_problem(plan.strategy().degrees)
-    if split:  # the runtime would run the default split: a different strategy
-        raise InputError(f"{args.plan}: {split}; nothing to verify against")
-    caps = _degree_caps(plan.strategy(), args.world)
+    pools = pool_plans(plan)
+    for label, pool_plan in pools:
+        split = experts_split_problem(pool_plan.strategy().degrees)
+        if split:  # the runtime would run the default split: a different strategy
+            where = f" ({label} pool)" if label else ""
+            raise InputError(f"{args.plan}{where}: {split}; nothing to verify against")
+    caps = {}  # per degree the largest any pool can use (the tiny model is built once)
+    for _, p in pools:
+        for k, v in _degree_caps(p.strategy(), args.world).items():
+            caps[k] = math.lcm(caps.get(k, 1), v)
     src = load_model_file(args.model, tiny_degrees=caps)
     model, inputs = src.build(tiny=True)
     source = getattr(getattr(model, "config", None), "shardc_source_layers", None)
@@ -283,32 +345,31 @@ def run(args) -> int:
     problem = backend_problem(model)
     graph = graph_from_module(model, inputs, name=src.name)
     kinds = _tiny_layer_kinds(graph, model, plan)
-    check_tiny_matches(plan, graph, plan.strategy(), kinds, model)
-    strategy, notes = fit_degrees(graph, plan.strategy(), kinds, args.world)
-    deg = strategy.degrees
-    scaled = replace(tiny_plan(plan, graph, strategy, kinds), backend={})
-    if problem:  # the first runtime cannot: the torch-style one must (as compile decides)
-        verdict = torch_style_verdict({"runs": False,
-                                       "reason": refusal(family_name(model), problem)},
-                                      [scaled], graph)
-        if not verdict["runs"]:  # a model no parallelize.py can run: exit 2
-            raise InputError(f"{args.model}: {verdict['reason']}; no parallelize.py would work")
-    if notes:
-        print(f"scaled the plan's degrees to fit {args.world} ranks and the tiny model: "
-              + ", ".join(notes) + " (per-op choices kept)")
-    # the scaled plan's own parallelize.py, the file Plan.apply runs (same choices)
-    case = Case("plan", deg.as_dict(), {}, kinds,
-                code_text=scaled.code())
+    cases, degs = [], []
+    for label, pool_plan in pools:
+        case, deg = _pool_case(label, pool_plan, graph, model, kinds, args, problem)
+        cases.append(case)
+        degs.append(deg)
     # a config.json's tiny model depends on the degree caps: the workers build the same one
     extra = {"tiny_degrees": caps} if args.model.endswith(".json") else {}
-    res = run_cases(args.model, [case], deg.world, seq=args.seq, **extra)[0]
-    where = f"{src.name} on {deg.world} gloo ranks ({' '.join(f'{k}={v}' for k, v in deg.as_dict().items())})"
-    if res["error"]:
-        sys.stdout.write(f"verify FAILED: {where}: {res['error'].splitlines()[0]}\n")
-        return 1
-    if not math.isfinite(res["rel_err"]) or res["rel_err"] > args.tol:
-        sys.stdout.write(f"verify MISMATCH: {where}: max relative error {res['rel_err']:.3g} "
-                         f"> {args.tol:g}\n")
-        return 1
-    print(f"verify OK: {where}: max relative error {res['rel_err']:.3g} <= {args.tol:g}")
-    return 0
+    results = run_cases(args.model, cases, args.world, seq=args.seq, **extra)
+    failed = 0
+    for (label, _), deg, res in zip(pools, degs, results):
+        where = (f"{label} pool, " if label else "") + f"{src.name} on {deg.world} gloo ranks " \
+            f"({' '.join(f'{k}={v}' for k, v in deg.as_dict().items())})"
+        if res.get("refused"):  # a parameter the plan splits was left whole: exit 2, named
+            raise InputError(res["refused"].splitlines()[0])
+        if res["error"]:
+            sys.stdout.write(f"verify FAILED: {where}: {res['error'].splitlines()[0]}\n")
+            failed += 1
+        elif not math.isfinite(res["rel_err"]) or res["rel_err"] > args.tol:
+            sys.stdout.write(f"verify MISMATCH: {where}: max relative error "
+                             f"{res['rel_err']:.3g} > {args.tol:g}\n")
+            failed += 1
+        else:
+            print(f"verify OK: {where}: max relative error {res['rel_err']:.3g} <= {args.tol:g}")
+    if len(pools) > 1:
+        names = ", ".join(label for label, _ in pools)
+        print(f"checked every pool of the disaggregated plan ({names}): "
+              + (f"{failed} of {len(pools)} failed" if failed else "all match"))
+    return 1 if failed else 0
