@@ -8,7 +8,10 @@ space (its fixed degrees and NVLink rule); ``--phase serve`` runs the serving se
 (:func:`shardc.serving.serve_search`) restricted to the engine, so each pool (mixed, or
 prefill + decode) is the engine's best and the SLOs hold. The engine the plan was searched
 for (``--runtime``) gets the plan itself. When nothing the engine expresses fits, the entry
-has no pools and says why (no script is written; the compile still succeeds).
+has no pools and says why (no script is written; the compile still succeeds). Every pool
+found gets a script (:func:`shardc.backends.launch.launch_scripts`; TensorRT-LLM's
+disaggregated, FP8 and multi-node pools through :mod:`shardc.backends.launch_trtllm`, plus
+``launch/trtllm_disagg.sh`` for a prefill + decode pair).
 
 Entry: ``{engine, checked_against, pools [{role, workers, gpus_per_worker, degrees, batch,
 mode, flags, script}], predicted {tok_s_per_gpu, tpot_ms, ttft_ms}, same_as_plan,

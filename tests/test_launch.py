@@ -133,23 +133,25 @@ def test_scripts_of_the_engines_best_parse_and_use_only_their_flags(case, tmp_pa
         found = search_engine("exact", space, engine, cost_model=cm)
         s = space.decode(found.result.best_action)
         role = role_for_phase(case[2]) if case[2] != "decode" else "decode"
-        if engine == "trtllm":  # TensorRT-LLM scripts: one aggregated pool
-            role = "mixed"
         pool = LaunchPool.of(role, s, space, 4096, 0.9)
-        if no_script_reason(engine, pool, space.mesh.gpus_per_node):
-            assert engine == "trtllm" and pool.strategy.degrees.replica_gpus > 8
-            continue
+        assert no_script_reason(engine, pool, space.mesh.gpus_per_node) is None
         text = script_for(engine, pool)
         path = tmp_path / f"{engine}.sh"
         path.write_text(text)
         assert subprocess.run([BASH, "-n", str(path)]).returncode == 0
         assert script_gpus(engine, text) == space.mesh.gpus
-        known = set(engine_flag_table()[engine]["flags"])
+        table = engine_flag_table()[engine]
+        known = set(table["flags"]) | set(table.get("multi_node", {}).get("flags", ()))
         assert set(flags_of(text)) <= known, set(flags_of(text)) - known
-        assert engine_flag_table()[engine]["checked_against"] in text
+        assert table["checked_against"] in text
         if engine != "trtllm":
             assert (f"--disaggregation-mode {role}" in text if engine == "sglang"
                     else "--kv-transfer-config" in text)
+        else:  # a context / generation server: its cache transceiver in the options YAML
+            assert "cache_transceiver_config:" in text and "--extra_llm_api_options" in text
+            if pool.strategy.degrees.replica_gpus > 8:  # TensorRT-LLM's multi-node launch
+                assert "exec srun -N" in text and "trtllm-llmapi-launch trtllm-serve" in text
+                assert f"--ntasks {pool.strategy.degrees.replica_gpus} " in text
 
 
 def test_every_flag_engine_flags_can_write_is_in_the_checked_lists():
@@ -382,7 +384,3 @@ def test_tensorrt_llm_attention_dp_goes_through_its_llm_api_options(tmp_path):
                OUT=str(tmp_path / "yaml"))
     assert subprocess.run([BASH, str(path), "0"], env=env).returncode == 0
     assert (tmp_path / "yaml").read_text() == "enable_attention_dp: true\n"
-    # FP8 and disaggregated pools: configuration in plan.json, no TensorRT-LLM script
-    assert no_script_reason("trtllm", LaunchPool.of("decode", s, space, 4096, 0.9), 8)
-    assert no_script_reason("trtllm", LaunchPool.of("mixed", s, space, 4096, 0.9, "fp8"), 8)
-    assert no_script_reason("trtllm", pool, 8) is None

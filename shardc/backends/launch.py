@@ -32,6 +32,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from shardc.backends.atomic import _umask
+from shardc.backends.launch_trtllm import (
+    HOST_CHECK,
+    ROLE_PORTS,
+    fp8_checkpoint_lines,
+    launcher_flags,
+    llm_api_options,
+    multi_node_prefix,
+    option_paths,
+    options_file_lines,
+    router_script,
+)
 from shardc.errors import InputError
 from shardc.ir.engines import ENGINE_NAMES, has_dense_mlp, uses_dp_attention
 from shardc.ir.strategy import Strategy
@@ -229,19 +240,12 @@ def trtllm_attention_dp(pool: LaunchPool) -> bool:
 
 
 def no_script_reason(engine: str, pool: LaunchPool, gpus_per_node: int) -> str | None:
-    """Why shardc writes no script for this pool on ``engine`` (None: it does). TensorRT-LLM
-    scripts cover one aggregated pool of single-node BF16 workers: disaggregated pools
-    (``trtllm-serve disaggregated`` with a cluster config), FP8 (a pre-quantized checkpoint
-    and the KV-cache dtype in the LLM API options) and workers spanning nodes (``mpirun`` /
-    ``trtllm-llmapi-launch``) are recorded in plan.json only."""
-    if engine != "trtllm":
-        return None
-    if pool.role != "mixed":
-        return "TensorRT-LLM's disaggregated serving (trtllm-serve disaggregated) is not scripted"
-    if pool.weights != "bf16" or pool.kv_cache != "bf16":
-        return "FP8 on TensorRT-LLM needs a pre-quantized checkpoint; not scripted"
-    if gpus_per_instance(engine, pool) > max(int(gpus_per_node), 1):
-        return "a TensorRT-LLM worker spanning nodes runs under mpirun; not scripted"
+    """Why shardc writes no script for this pool on ``engine`` (None: it does). Every pool
+    the engines' spaces hold is scripted today: TensorRT-LLM's disaggregated pools, FP8 and
+    workers spanning nodes included (:mod:`shardc.backends.launch_trtllm`); kept as the one
+    place a future engine's unscriptable pool would say why (plan.json ``note``)."""
+    if engine not in SCRIPT_ENGINES:
+        return f"{engine}: no checked flag list"
     return None
 
 
@@ -261,8 +265,10 @@ def pool_entry(engine: str, pool: LaunchPool, script: str | None) -> dict:
            "mode": "dp-attention" if pool.dp_attention else "tp",
            "flags": engine_flags(engine, pool), "script": script}
     if engine == "trtllm":  # LLM API options, written to the --extra_llm_api_options YAML
-        out["llm_api_options"] = {"enable_attention_dp": True} if trtllm_attention_dp(pool) \
-            else {}
+        out["llm_api_options"] = llm_api_options(pool.role, pool.kv_cache, pool.max_model_len,
+                                                 trtllm_attention_dp(pool))
+        if pool.weights == "fp8":  # no serve flag quantizes: a pre-quantized checkpoint
+            out["checkpoint"] = "fp8 (pre-quantized, ModelOpt hf_quant_config.json)"
     return out
 
 
@@ -304,7 +310,10 @@ def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
         lines.append("# Disaggregated: pair this pool with the "
                      + ("decode" if entry["role"] == "prefill" else "prefill") + " pool's script"
                      + (" behind a router that sends each request to both." if engine == "sglang"
+                        else " through launch/trtllm_disagg.sh (trtllm-serve disaggregated; the"
+                        " KV cache moves by its cache transceiver)." if engine == "trtllm"
                         else " through a proxy (the KV cache moves by the NIXL connector)."))
+    trt_disagg = engine == "trtllm" and entry["role"] in ROLE_PORTS
     lines += ["set -euo pipefail", f"WORKERS={workers}", 'WORKER="${1:-0}"',
               'case "$WORKER" in ""|*[!0-9]*) echo "worker index must be a number" >&2; exit 2;; '
               "esac",
@@ -317,7 +326,10 @@ def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
               'if [ -z "$MODEL" ]; then echo "no model id: set SHARDC_MODEL to a hub id or path '
               '(or compile with --hf-id)" >&2; exit 2; fi',
               'case "$MODEL" in -*) echo "model id must not start with -" >&2; exit 2;; esac',
-              f"PORT=$(({BASE_PORTS[engine]} + WORKER))"]
+              f"PORT=$(({ROLE_PORTS[entry['role']] if trt_disagg else BASE_PORTS[engine]} "
+              "+ WORKER))"]
+    if engine == "trtllm" and entry.get("checkpoint"):
+        lines += fp8_checkpoint_lines()
     per_node = gpn // per_worker if per_worker <= gpn else 1
     if per_worker < gpn and per_node > 1:  # several workers share a node: each its GPUs
         lines += [f"# {per_node} workers per node of {gpn} GPUs: worker WORKER uses GPUs "
@@ -326,12 +338,17 @@ def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
                   'CUDA_VISIBLE_DEVICES="$(seq -s, "$FIRST_GPU" '
                   f'"$((FIRST_GPU + {per_worker - 1}))")"',
                   "export CUDA_VISIBLE_DEVICES"]
-    if nodes > 1 and engine in ("vllm", "sglang"):  # TensorRT-LLM: not scripted
+    if nodes > 1:
         lines.append(f"# One worker spans {nodes} nodes: "
                      + ("start a Ray cluster over them first (vLLM's multi-node executor)."
                         if engine == "vllm" else
                         "run this on each with NODE_RANK 0.." + str(nodes - 1)
-                        + " and DIST_INIT_ADDR host:port of rank 0."))
+                        + " and DIST_INIT_ADDR host:port of rank 0." if engine == "sglang" else
+                        f"run this inside a Slurm allocation of {nodes} nodes: srun starts its "
+                        f"{per_worker} ranks under trtllm-llmapi-launch."))
+    served = engine == "trtllm" and (trt_disagg or nodes > 1)  # reached from other hosts
+    if served:
+        lines += ['HOST="${SHARDC_HOST:-0.0.0.0}"', HOST_CHECK]
     args = [f"{MODEL_FLAG[engine]}=\"$MODEL\""] if engine in MODEL_FLAG else []
     i = 0
     while i < len(flags):  # "--flag value" pairs and switches
@@ -351,18 +368,21 @@ def render_script(engine: str, entry: dict, launch: dict, model_id: str | None,
         args += [f"--nnodes {nodes}", '--node-rank "${NODE_RANK:?set NODE_RANK}"',
                  '--dist-init-addr "${DIST_INIT_ADDR:?set DIST_INIT_ADDR}"']
     options = entry.get("llm_api_options") or {}
-    if options:  # fixed vocabulary (trtllm_attention_dp), one YAML line per option
+    if options:  # fixed vocabulary (launch_trtllm.llm_api_options), one YAML line per key
         known = set(table.get("llm_api_options", ()))
-        assert set(options) <= known, options
-        lines += ['EXTRA_OPTIONS="$(mktemp)"',
-                  "printf '%s\\n' " + " ".join(shlex.quote(f"{k}: {str(v).lower()}")
-                                              for k, v in sorted(options.items()))
-                  + ' > "$EXTRA_OPTIONS"']
+        assert set(option_paths(options)) <= known, options
+        lines += options_file_lines(options)
         args.append('--extra_llm_api_options "$EXTRA_OPTIONS"')
+    if served:
+        args.append('--host "$HOST"')
     args.append('--port "$PORT"')
     if engine not in MODEL_FLAG:  # a positional model after "--": never read as an option
         args += ["--", '"$MODEL"']
-    lines.append("exec " + " ".join(COMMAND[engine]) + " \\")
+    launcher = []
+    if engine == "trtllm" and nodes > 1:  # TensorRT-LLM's documented multi-node launch
+        launcher = multi_node_prefix(nodes, per_worker, gpn)
+        assert set(launcher_flags(launcher)) <= set(table["multi_node"]["flags"]), launcher
+    lines.append("exec " + " ".join(launcher + COMMAND[engine]) + " \\")
     lines += [f"    {a} \\" for a in args[:-1]] + [f"    {args[-1]}", ""]
     return "\n".join(lines)
 
@@ -378,11 +398,17 @@ def launch_scripts(launch: dict, model_id: str | None, gpus_per_node: int) -> di
     out: dict[str, object] = {}
     for engine in SCRIPT_ENGINES:
         entry = launch.get(engine) or {}
+        scripted = {}
         for pool in entry.get("pools") or []:
             if not pool.get("script"):
                 continue
             text = render_script(engine, pool, entry, model_id, gpus_per_node)
             out[f"launch/{script_name(engine, pool['role'])}"] = _executable(text)
+            scripted[pool["role"]] = pool
+        if engine == "trtllm" and {"prefill", "decode"} <= set(scripted):
+            table = engine_flag_table()[engine]
+            out[f"launch/{script_name(engine, 'disagg')}"] = _executable(router_script(
+                scripted["prefill"], scripted["decode"], one_line(table["checked_against"])))
     return out
 
 
