@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         signum = signal_received()  # a library may have caught the signal's exception
     if signum is not None and code != SIGNAL_EXIT[signum]:
         if code == 0:  # finished (outputs, if any, were published before the signal came)
-            sys.stderr.write(f"shardc: error: terminated by {signal.Signals(signum).name}\n")
+            sys.stderr.write(f"shardc: error: terminated by {signal.Signals(signum).name} "
+                             "after the run had finished (its outputs, if any, are complete)\n")
         return SIGNAL_EXIT[signum]
     return code
 

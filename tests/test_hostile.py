@@ -256,7 +256,8 @@ def test_sigterm_at_a_random_moment(tmp_path, delay):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode in (0, 143, -signal.SIGTERM), err
     assert len(err.strip().splitlines()) <= 1, err
-    if proc.returncode == 0:
+    finished = proc.returncode == 0 or "after the run had finished" in err
+    if finished:  # the signal came after the set was published: the whole set, never part
         assert FULL_SET <= {str(p.relative_to(out)) for p in out.rglob("*")}
     else:
         assert not out.exists()
