@@ -118,6 +118,11 @@ def _moe_problem(moe, ad) -> str | None:
 def backend_problem(model: nn.Module) -> str | None:
     """Why the DTensor backend cannot run ``model`` as the model computes it (None if it can)."""
     from shardc.backends.models import adapter_for
+    from shardc.frontends.stateful_layers import stateful_layers
+
+    recurrent = stateful_layers(model)
+    if recurrent:
+        return recurrent_problem(sorted(set(recurrent.values())))
 
     try:
         ad = adapter_for(model)
@@ -131,6 +136,14 @@ def backend_problem(model: nn.Module) -> str | None:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         return f"parameters the backend would not place: {', '.join(missing[:3])}{more}"
     return None
+
+
+RECURRENT_PROBLEM = "it does not run linear-attention / state-space (recurrent) layers yet"
+
+
+def recurrent_problem(kinds: list[str]) -> str:
+    """The backend's reason for a model with linear-attention / Mamba layers of ``kinds``."""
+    return f"{RECURRENT_PROBLEM} ({', '.join(kinds)})"
 
 
 def family_name(model: nn.Module) -> str:
@@ -154,6 +167,10 @@ def unplaced_by_styles(graph) -> str | None:
     1-D one read other than as a norm's scale or shift (an attention sink concatenated to
     the scores: one value per head, which a heads split would have to cut) would stay whole
     where the rank holds a share of the heads or features."""
+    if any(n.op == "recurrent_scan" for n in graph.nodes):
+        kinds = sorted({str(n.attrs.get("recurrent")) for n in graph.nodes
+                        if n.op == "recurrent_scan"})
+        return recurrent_problem(kinds)
     for n in graph.nodes:
         if not n.params or n.attrs.get("scalar_gate") or (n.fused_op == "norm" and (
                 n.op == "norm" or _base_op(n.target) in _NORM_ARITHMETIC)):
@@ -174,7 +191,7 @@ def torch_style_verdict(verdict: dict, plans, graph) -> dict:
     ``plans`` (:func:`~shardc.backends.torch_styles.style_plan`) and places every parameter
     (:func:`unplaced_by_styles`): the emitted ``parallelize.py`` is then the torch-style one.
     Otherwise ``verdict``, its reason extended with the torch-style path's."""
-    if verdict.get("runs", True):
+    if verdict.get("runs", True) or RECURRENT_PROBLEM in str(verdict.get("reason")):
         return verdict
     from shardc.backends.torch_styles import NotCovered, style_plan
 

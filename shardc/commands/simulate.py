@@ -114,7 +114,9 @@ def report(ex) -> str:
          f"{bd['norms_ms']:.3f}"],
         ["memory/GPU (GB)", f"{p['memory_gb_per_gpu']:.2f} of {mem['hbm_gb']:g} "
          f"(weights {mem['weights_gb']:.2f}, KV {mem['kv_cache_gb']:.2f}, "
-         f"act {mem['activations_gb']:.2f}, workspace {mem['workspace_gb']:.1f})"],
+         + (f"recurrent state {mem['recurrent_state_gb']:.2f}, "
+            if mem.get("recurrent_state_gb") else "")
+         + f"act {mem['activations_gb']:.2f}, workspace {mem['workspace_gb']:.1f})"],
         ["feasible", "yes" if ex.feasible else f"no: {ex.reason}"],
         ["kernels", str(p.get("kernel_source") or "-")],
     ]

@@ -6,6 +6,7 @@ import math
 
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.ir.graph import Graph
+from shardc.ir.recurrent import state_elems_per_sequence
 from shardc.ir.strategy import Workload, format_bytes
 from shardc.ir.windows import attended_positions, op_window
 
@@ -24,12 +25,14 @@ def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | N
                         ) -> tuple[float, float]:
     """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
     phase's cache length: context in decode, prompt in prefill; a sliding-window layer holds
-    at most its window), in the workload's weight and KV-cache formats."""
+    at most its window; a linear-attention / Mamba layer its constant state, at the model's
+    dtype), in the workload's weight and KV-cache formats."""
     db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
     params = sum(o.params for o in graph.global_ops)
     length = {"decode": workload.context, "prefill": workload.prompt,
               "serve": workload.isl + workload.osl}[workload.phase]
     kv_per_seq = 0.0  # KV-cache elements of one sequence
+    state_per_seq = 0.0  # recurrent + conv state elements of one sequence
     for k in graph.layer_kinds:
         params += k.count * (sum(o.params for o in k.ops)
                              + int((getattr(k, "attrs", None) or {}).get("other_params", 0) or 0))
@@ -37,9 +40,10 @@ def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | N
         if core is not None:
             held = attended_positions(length, op_window(core.attrs))
             kv_per_seq += k.count * held * float(core.attrs.get("kv_cache_elems_per_token", 0))
+            state_per_seq += k.count * state_elems_per_sequence(core.attrs)
     seqs = workload.batch or 1
     return (params * format_bytes(workload.weights, db),
-            seqs * kv_per_seq * format_bytes(workload.kv_cache, db))
+            seqs * (kv_per_seq * format_bytes(workload.kv_cache, db) + state_per_seq * db))
 
 
 def min_gpus_needed(graph: Graph, workload: Workload, hardware: Hardware | str) -> int:

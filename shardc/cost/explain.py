@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardc.cost.collectives import COLLECTIVE_KINDS
-from shardc.cost.layer_costs import QK_NORMS
+from shardc.cost.layer_costs import INNER_REDUCE, QK_NORMS
 from shardc.ir.contract import MODES, choice_name
+from shardc.ir.recurrent import is_recurrent
 from shardc.ir.strategy import Strategy, stage_layer_ranges
 
 MAX_TRACE_MICROBATCHES = 16
@@ -69,6 +70,8 @@ def _layer_segments(kind_name, brs, nt) -> list[tuple[str, str, float]]:
                 segs.append((f"{COLLECTIVE_KINDS[code]} before {op}", "comm", _f(c_s)))
             if op == "attn_core" and QK_NORMS in colls and _f(colls[QK_NORMS][4]) > 0:
                 segs.append(("all_reduce q/k norms", "comm", _f(colls[QK_NORMS][4])))
+            if op == "attn_core" and INNER_REDUCE in colls and _f(colls[INNER_REDUCE][4]) > 0:
+                segs.append(("all_reduce x_proj", "comm", _f(colls[INNER_REDUCE][4])))
             segs.append((f"{kind_name}.{op}", "compute", _f(oc.time_s)))
         end = colls.get("<end>")
         if end is not None and _f(end[4]) > 0:
@@ -100,12 +103,16 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     # overlap_hidden_ms: communication run under compute (the presets' *_comm_overlap)
     comp = {"ops_ms": 0.0, "tp_comm_ms": 0.0, "ep_comm_ms": 0.0, "norms_ms": 0.0,
             "overlap_hidden_ms": 0.0}
-    weights = kv = 0.0
+    weights = kv = state = 0.0
 
     def add_branch(kind_name, bname, bc, n_t, n_m):
-        nonlocal weights, kv
+        nonlocal weights, kv, state
         for op, mode, oc, c_s in bc.ops:
             slot = op if kind_name is None else f"{kind_name}.{op}"
+            if kind_name is not None and op == "attn_core" and is_recurrent(
+                    cm.graph.layer_kind(kind_name).op(op).attrs):
+                state += n_m * _f(oc.kv_bytes)  # a recurrent state, not a KV cache
+                kv -= n_m * _f(oc.kv_bytes)
             ex.ops.append(dict(
                 layer_kind=kind_name or "global", branch=bname, op=op,
                 choice=choice_name(op, strategy.choices[slot]), mode=MODES[int(mode[0])],
@@ -146,7 +153,8 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     ex.totals = dict(bottleneck_stage=bott_t, tick_ms=tick_ms, pp_send_ms=send_ms,
                      micro_batches=micro, **comp)
     act = _f(r["act"])
-    ex.memory = dict(weights_gb=weights / 1e9, kv_cache_gb=kv / 1e9, activations_gb=act / 1e9,
+    ex.memory = dict(weights_gb=weights / 1e9, kv_cache_gb=kv / 1e9,
+                     recurrent_state_gb=state / 1e9, activations_gb=act / 1e9,
                      workspace_gb=cm.hw.workspace_gb, bottleneck_stage=bott_m,
                      usable_gb=cm.hw.usable_hbm_bytes / 1e9 + cm.hw.workspace_gb,
                      hbm_gb=cm.hw.hbm_gb)

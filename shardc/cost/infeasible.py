@@ -66,7 +66,9 @@ def rejection_detail(cost_model, strategy) -> str:
         need = pred["memory_gb_per_gpu"] - mem["workspace_gb"]
         return (f"weights + KV cache + activations need {need:.1f} GB/GPU at {_split(strategy)} "
                 f"(weights {mem['weights_gb']:.1f}, KV cache {mem['kv_cache_gb']:.1f}, "
-                f"activations {mem['activations_gb']:.1f}); {hbm} (short by "
+                + (f"recurrent state {mem['recurrent_state_gb']:.1f}, "
+                   if mem.get("recurrent_state_gb") else "")
+                + f"activations {mem['activations_gb']:.1f}); {hbm} (short by "
                 f"{need - room:.1f} GB)")
     if code == TPOT_SLO:
         return (f"TPOT {pred['tpot_ms']:.3g} ms at {_split(strategy)} exceeds the "

@@ -31,16 +31,19 @@ from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.contract import (
     MODE_EXPONENTS,
+    REPLICATED as REPLICATED_MODE,
     SHARD_BOTH,
     SHARD_OUT,
     TOKEN_SPLIT,
     kv_head_replicas,
 )
 from shardc.ir.graph import FusedOp
+from shardc.ir.recurrent import is_recurrent, state_elems_per_sequence
 from shardc.ir.windows import attended_positions, causal_pairs, op_window
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
 QK_NORMS = "attn_core q/k norms"  # detail: the whole-projection q/k norms' all-reduce
+INNER_REDUCE = "attn_core x_proj"  # detail: a Mamba core's x_proj all-reduce under a heads split
 
 
 @dataclass
@@ -250,6 +253,57 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     return oc
 
 
+def recurrent_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
+                   in_width: int) -> OpCost:
+    """A linear-attention / Mamba core (:mod:`shardc.ir.recurrent`): no KV cache, a constant
+    state per sequence (``state_elems_per_sequence``, held at the activation dtype).
+    Decode: ``decode_flops_per_token`` per sequence, and the state read and written once
+    per step. Prefill: ``flops_per_token`` (the chunked form) per prompt token; the state is
+    written once per sequence and, for a chunked scan (``scan_chunk`` C), materialised once
+    per chunk (``tokens / C`` states). Aggregated serving's prompt chunk in a decode step
+    runs the prefill form. Weights (conv, ``x_proj`` / ``dt_proj``, ``A``, ``D``) and the
+    state split with the heads (mode ``shard_both``) or whole per rank (batch split:
+    1/tp of the sequences). Roofline only: the kernel tables have no such kernels."""
+    d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
+    a = fop.attrs
+    state = float(state_elems_per_sequence(a)) * b.act_bytes
+    frac = np.where(mode == REPLICATED_MODE, 1.0, 1.0 / b.tp)  # heads or sequences split
+    act = b.tokens * (in_width / d_in + op_out_width(fop) / d_out) * b.act_bytes
+    wbytes = fop.params * b.weight_bytes / d_w
+    prefill_flops = float(fop.flops_per_token)
+    if b.phase == "decode":
+        flops = b.seqs * float(a.get("decode_flops_per_token", prefill_flops)) / d_flop
+        traffic = 2.0 * b.seqs * state * frac + act + wbytes
+        if np.any(b.chunk_tokens):
+            flops = flops + b.chunk_tokens * prefill_flops / d_flop
+    else:
+        chunk = float(a.get("scan_chunk", 0) or 0)
+        states = b.seqs + (b.tokens / chunk if chunk else 0.0)
+        flops = b.tokens * prefill_flops / d_flop
+        traffic = states * state * frac + act + wbytes
+    comp = compute_time(flops, b.hw.attention_eff, b.hw.peak_flops(False))
+    mem = memory_time(traffic, b.hw)
+    held = b.seqs_resident * state * frac
+    oc = OpCost(comp, mem, kernel_time(comp, mem, int(a.get("kernels", 2) or 2), b.hw),
+                np.asarray(wbytes, dtype=float) * np.ones_like(held), held)
+    if (mode == TOKEN_SPLIT).any():  # whole sequences per rank: the busiest rank sets the pace
+        imb = np.where(mode == TOKEN_SPLIT, batch_split_imbalance(b.tp, b.seqs / b.tp), 1.0)
+        oc = OpCost(oc.compute_s * imb, oc.memory_s * imb, oc.time_s * imb, oc.weight_bytes,
+                    oc.kv_bytes)
+    return oc
+
+
+def inner_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, seconds) of the all-reduce inside a Mamba core under a heads split: its
+    ``x_proj`` reads the channel-split activations, so its ``T x inner_all_reduce_features``
+    partial sums are all-reduced over tp (as vLLM's row-parallel ``x_proj``); 0 otherwise."""
+    width = int(fop.attrs.get("inner_all_reduce_features", 0) or 0)
+    S = b.tokens * width * b.act_bytes
+    codes = np.full(b.tp.shape, coll.ALL_REDUCE)
+    t = _pick_collective(codes, S, b.groups["tp"], b.hw, b, INNER_REDUCE)
+    return S, np.where((mode == SHARD_BOTH) & (width > 0), t, 0.0)
+
+
 def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
                           ) -> np.ndarray | None:
     """GQA with tp > kv_heads (:func:`shardc.ir.contract.kv_head_replicas`): under a heads
@@ -266,7 +320,7 @@ def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
     a = core.attrs
     heads = int(a.get("heads", 1) or 1)
     kv = int(a.get("kv_heads", heads) or heads)
-    if kv >= heads or not a.get("kv_cache_split_by_heads", True):
+    if kv >= heads or not a.get("kv_cache_split_by_heads", True) or is_recurrent(a):
         return None
     rep = kv_head_replicas(tp, kv).astype(np.float64)
     rows = (rep > 1) & (modes[:, names.index("qkv")] == SHARD_OUT) \
@@ -337,7 +391,15 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
         if kv_div is not None and fop.name in ("qkv", "attn_core"):  # replicated KV heads
             for c in ([1, 2, 4] if fop.name == "qkv" else [3]):  # flops, weight, out / input
                 div[:, c] = np.where(div[:, c] > 1, kv_div, div[:, c])
-        if fop.name == "attn_core":
+        if fop.name == "attn_core" and is_recurrent(fop.attrs):
+            oc = recurrent_cost(fop, div, mode, b, width)
+            if fop.attrs.get("inner_all_reduce_features"):
+                inner_S, inner_s = inner_all_reduce(fop, mode, b)
+                total += inner_s
+                if b.detail:
+                    out.collectives.append((INNER_REDUCE, np.where(inner_s > 0, coll.ALL_REDUCE,
+                                                                   0), "tp", inner_S, inner_s))
+        elif fop.name == "attn_core":
             oc = attention_cost(fop, div, mode, b, width)
             if fop.attrs.get("whole_projection_norms"):
                 norm_S, norm_s = qk_norm_all_reduce(fop, mode, b)

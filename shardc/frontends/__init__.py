@@ -24,14 +24,20 @@ from shardc.ir.graph import Graph
 def graph_from_module(model, example_inputs: tuple, name: str = "", source: str = "") -> Graph:
     """Trace an ``nn.Module`` (torch.export) and run the passes."""
     from shardc.frontends.quiet import library_output_captured
-    from shardc.frontends.stateful_layers import refuse_stateful_layers
+    from shardc.frontends.stateful_layers import (
+        check_traced_recurrent_layers,
+        refuse_stateful_layers,
+    )
     from shardc.frontends.torch_export import trace_module
     from shardc.passes import run_passes
 
-    refuse_stateful_layers(model, source or name or type(model).__name__)
+    where = source or name or type(model).__name__
+    refuse_stateful_layers(model, where)
     with library_output_captured():
         traced = trace_module(model, tuple(example_inputs), name=name, source=source)
-    return run_passes(traced)
+    graph = run_passes(traced)
+    check_traced_recurrent_layers(model, graph, where)
+    return graph
 
 
 def load_graph(path: str | Path, tiny: bool = False) -> Graph:
@@ -74,6 +80,10 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
         graph = None if tiny else _reduced_depth_graph(src, model, inputs)
         if graph is None:
             graph = graph_from_module(model, inputs, name=src.name, source=src.source)
+        else:
+            from shardc.frontends.stateful_layers import check_traced_recurrent_layers
+
+            check_traced_recurrent_layers(model, graph, src.source)
     if src.notes:
         graph.config["frontend_notes"] = list(src.notes)
     if src.checkpoint:

@@ -1,13 +1,20 @@
 """Layers whose state does not grow with context -- linear attention (Gated DeltaNet,
-lightning attention) and state-space layers (Mamba / Mamba-2) -- which the cost model does
-not represent yet.
+lightning attention) and state-space layers (Mamba / Mamba-2).
 
-Pricing them as attention would be silently wrong (a KV cache growing with context where
-the layer keeps a constant recurrent + conv state), so every command refuses such a model by
-name (:class:`InputError`, exit 2). They are found from the model, not from a list of names:
-a decoder layer holding a ``torch.nn.Conv1d`` (the causal depthwise convolution of Gated
-DeltaNet and Mamba), or one the config's ``layer_types`` calls anything but an attention or
-FFN-only layer (transformers spells Mamba layers ``linear_attention`` too).
+They are found from the model, not from a list of names: a decoder layer holding a
+``torch.nn.Conv1d`` (the causal depthwise convolution of Gated DeltaNet and Mamba), or one
+the config's ``layer_types`` calls anything but an attention or FFN-only layer
+(transformers spells Mamba layers ``linear_attention`` too).
+
+A layer is *modelled* when its recurrent module's forward calls one of the kernel functions
+:mod:`shardc.frontends.recurrent_kernels` traces as one node (Gated DeltaNet's chunked delta
+rule: Qwen3-Next; Mamba's selective scan: Jamba); the cost model then prices it with its own
+op kinds (``causal_conv``, ``recurrent_scan``: a constant per-sequence state, no KV cache).
+Every other such layer (Mamba-2's chunked scan: Falcon-H1, Nemotron-H, Bamba; lightning
+attention: MiniMax) is refused by name (:class:`InputError`, exit 2) by every command,
+before a trace could price it as attention; after the trace,
+:func:`check_traced_recurrent_layers` proves that every layer found here did become a
+``recurrent_scan`` node.
 """
 
 from __future__ import annotations
@@ -45,14 +52,48 @@ def stateful_layers(model) -> dict[int, str]:
     return found
 
 
+def _modelled(owner) -> bool:
+    """Whether ``owner``'s forward calls a scan the frontend traces as one node (a shared
+    conv kernel alone is not enough: Mamba-2 mixers call it and scan otherwise)."""
+    import inspect
+
+    from shardc.frontends.recurrent_kernels import TRACED_SCANS
+
+    try:
+        src = inspect.getsource(inspect.unwrap(type(owner).forward))
+    except (OSError, TypeError):
+        return False
+    return any(f"{name}(" in src for name in TRACED_SCANS)
+
+
+def modelled_layers(model) -> set[int]:
+    """Decoder-layer indices whose recurrent module the cost model represents."""
+    from torch import nn
+
+    out: set[int] = set()
+    modules = dict(model.named_modules())
+    for path, mod in modules.items():
+        if not isinstance(mod, nn.Conv1d) or "." not in path:
+            continue
+        m = _LAYER.search(path + ".")
+        owner = modules.get(path.rsplit(".", 1)[0])
+        if m is not None and owner is not None and _modelled(owner):
+            out.add(int(m.group(1)))
+    return out
+
+
 def _layer_list(layers: list[int], shown: int = 6) -> str:
     head = ", ".join(str(i) for i in layers[:shown])
     return head + (", ..." if len(layers) > shown else "")
 
 
 def refuse_stateful_layers(model, where: str) -> None:
-    """:class:`InputError` (one line) naming the recurrent layers of ``model``, if any."""
+    """:class:`InputError` (one line) naming the recurrent layers of ``model`` the cost model
+    does not represent, if any."""
     found = stateful_layers(model)
+    if found:
+        done = modelled_layers(model)
+        found = {i: kind for i, kind in found.items() if i not in done}
     if not found:
         return
     config = getattr(model, "config", None)
@@ -67,3 +108,17 @@ def refuse_stateful_layers(model, where: str) -> None:
         f"attention / state-space layers ({', '.join(kinds)}): a recurrent state that does not "
         "grow with context, which shardc does not model yet (it will not price them as "
         "attention with a KV cache) -- not supported")
+
+
+def check_traced_recurrent_layers(model, graph, where: str) -> None:
+    """:class:`InputError` when a layer :func:`modelled_layers` counts on traced without
+    its ``recurrent_scan`` node (the model called another kernel): it would be mispriced."""
+    expected = set(modelled_layers(model))
+    if not expected:
+        return
+    traced = {n.layer for n in graph.nodes if n.op == "recurrent_scan"}
+    missing = sorted(expected - traced)
+    if missing:
+        raise InputError(
+            f"{where}: layers {_layer_list(missing)} hold a recurrent layer whose scan did not "
+            "trace as one recurrent_scan node; shardc would misprice it -- not supported")

@@ -144,11 +144,12 @@ def export_program(model: nn.Module, example_inputs: tuple) -> torch.export.Expo
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     from shardc.frontends.hf_build import static_rope
+    from shardc.frontends.recurrent_kernels import recurrent_kernels
 
     ids = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
     seq = int(ids.shape[-1]) if ids is not None and ids.ndim else 1
     try:
-        with torch.no_grad(), static_rope(model, seq), \
+        with torch.no_grad(), static_rope(model, seq), recurrent_kernels(model), \
                 user_code(type(model).__name__, "tracing the forward pass"):
             return torch.export.export(wrapper, tuple(example_inputs), strict=False)
     except InputError:

@@ -39,6 +39,8 @@ OP_KINDS = (
     "view",  # reshape, transpose, slice, expand ... (no data movement counted)
     "router",  # top-k routing
     "gather_scatter",  # index_select, scatter_add, index ops
+    "causal_conv",  # depthwise causal conv1d of a linear-attention / Mamba layer (state K-1)
+    "recurrent_scan",  # gated delta rule / selective scan: a state that does not grow
     "other",  # anything the frontend does not know (a warning is issued)
 )
 

@@ -260,10 +260,17 @@ class StrategySpace:
         mask = np.ones((len(self.op_slots), NUM_CHOICES), dtype=bool)
         for i, slot in enumerate(self.op_slots):
             fop, op = self._fused(slot)
+            h, kv, rep = heads, kv_heads, replicate_kv_heads
+            core = self.graph.layer_kind(slot.split(".", 1)[0]).op("attn_core") \
+                if "." in slot else None
+            if core is not None and core.attrs.get("recurrent"):
+                # a linear-attention / Mamba layer splits its own heads (its state with
+                # them): tp must divide both its value and key heads, none replicated
+                h = int(core.attrs.get("heads", 1) or 1)
+                kv, rep = int(core.attrs.get("kv_heads", h) or h), False
             for c in range(NUM_CHOICES):
                 mask[i, c] = legal(op_choice(op, c), tp, int(fop.in_features or 0),
-                                   int(fop.out_features or 0), heads, kv_heads,
-                                   replicate_kv_heads)
+                                   int(fop.out_features or 0), h, kv, rep)
         return mask
 
     # ---------------------------------------------------------------- vectorised

@@ -40,10 +40,20 @@ def attention_variant(kind) -> dict:
     """plan.json ``layer_kinds[]`` fields saying how a layer kind attends
     (:class:`shardc.ir.graph.LayerKind`): ``{"attention": "sliding_window", "window": W}``
     (tokens), ``{"attention": "full"}`` (full causal), ``{}`` for a kind without an
-    attention core."""
+    attention core. A linear-attention / Mamba core (:mod:`shardc.ir.recurrent`):
+    ``{"attention": "gated_deltanet" | "mamba", "recurrent_state": {...}}`` with its state
+    elements per sequence and layer (recurrent, conv, total; all heads, split with them)."""
     core = kind.op("attn_core")
     if core is None:
         return {}
+    a = core.attrs
+    if a.get("recurrent"):
+        return {"attention": str(a["recurrent"]), "recurrent_state": {
+            "recurrent_elems_per_sequence": int(a.get("recurrent_state_elems", 0)),
+            "conv_elems_per_sequence": int(a.get("conv_state_elems", 0)),
+            "elems_per_sequence": int(a.get("state_elems_per_sequence", 0)),
+            "split": "heads", "heads": int(a.get("heads", 0)),
+            "key_heads": int(a.get("kv_heads", 0))}}
     window = op_window(core.attrs)
     return {"attention": "full"} if window is None else \
         {"attention": "sliding_window", "window": int(window)}
@@ -55,4 +65,10 @@ def variant_text(row: dict) -> str:
         return f"sliding-window attention, window {int(row['window']):,} tokens"
     if row.get("attention") == "full":
         return "full causal attention"
+    state = row.get("recurrent_state")
+    if isinstance(state, dict):
+        name = {"gated_deltanet": "Gated DeltaNet linear attention",
+                "mamba": "Mamba state-space layer"}.get(row.get("attention"), "recurrent layer")
+        return (f"{name}: a constant state of {int(state['elems_per_sequence']):,} elements "
+                "per sequence, no KV cache")
     return ""

@@ -24,6 +24,13 @@ activation         ``4 * out``
 elementwise        ``1 * out``
 reduction          ``1 * in``
 router             ``1 * in`` (top-k comparisons)
+causal_conv        ``2 * out * K`` (depthwise, kernel width ``K`` = last weight dim)
+recurrent_scan     gated delta rule (q [B,S,Hk,Dk], v [B,S,Hv,Dv]), per token and v-head:
+                   ``4 * C * (Dk + Dv) + 6 * Dk * Dv`` (chunked form, ``C`` =
+                   :data:`DELTA_CHUNK`: intra-chunk scores and values, the UT transform,
+                   the state read, the output from it and its update); selective scan
+                   (u [B,D,S], A [D,N]), per token: ``9 * D * N`` (discretise, update,
+                   read out)
 embedding, gather_scatter, view, input, output, other   ``0``
 =================  ==========================================================
 
@@ -77,6 +84,8 @@ _TABLE: dict[str, tuple[str, ...]] = {
              "_assert_tensor_metadata", "lift_fresh", "view_as_real", "view_as_complex",
              "swapaxes", "mT", "numpy_T"),
     "router": ("topk",),
+    "causal_conv": ("causal_conv1d",),
+    "recurrent_scan": ("gated_delta_rule", "selective_scan"),
     "gather_scatter": ("index", "index_select", "gather", "scatter", "scatter_", "scatter_add",
                        "scatter_add_", "index_put", "index_put_", "index_copy", "index_copy_",
                        "index_add", "index_add_", "masked_scatter", "take", "sort", "argsort",
@@ -86,6 +95,10 @@ _TABLE: dict[str, tuple[str, ...]] = {
 KIND_OF_BASE: dict[str, str] = {base: kind for kind, bases in _TABLE.items() for base in bases}
 
 _FLOPS_PER_OUT = {"norm": 5, "activation": 4, "elementwise": 1}
+# recurrent_scan variants by base name (Node.attrs["recurrent"]; frontends other than
+# torch.export set the attr themselves)
+RECURRENT_VARIANTS = {"gated_delta_rule": "gated_deltanet", "selective_scan": "mamba"}
+DELTA_CHUNK = 64  # chunk length of the chunked gated delta rule (FLA's and transformers')
 _ZERO_BYTES = {"view", "input", "output"}
 
 
@@ -143,9 +156,33 @@ def node_flops(node: Node) -> int:
         return 2 * batch_heads_sq * int(k[-2]) * (int(q[-1]) + int(v[-1]))
     if op in _FLOPS_PER_OUT:
         return _FLOPS_PER_OUT[op] * out
+    if op == "causal_conv":
+        k = node.params[0].shape[-1] if node.params else 1
+        return 2 * out * int(k)
+    if op == "recurrent_scan":
+        return recurrent_scan_flops(node)[0]
     if op in ("reduction", "router"):
         return sum(numel(s) for s in ins)
     return 0
+
+
+def recurrent_scan_flops(node: Node) -> tuple[int, int, int]:
+    """(FLOPs of the traced execution, FLOPs per token of one decode step, state elements per
+    sequence) of a ``recurrent_scan`` node (formulas in the module docstring). Gated DeltaNet
+    decode per token and v-head: ``7 * Dk * Dv`` (decay, read ``S^T k``, rank-1 update,
+    output ``S^T q``); Mamba: the same ``9 * D * N`` as the scan."""
+    ins = node.input_shapes
+    if node.attrs.get("recurrent") == "gated_deltanet" and len(ins) >= 3:
+        q, v = ins[0], ins[2]
+        tokens, heads, dk, dv = numel(v[:-2]), int(v[-2]), int(q[-1]), int(v[-1])
+        per_token = heads * (4 * DELTA_CHUNK * (dk + dv) + 6 * dk * dv)
+        return tokens * per_token, heads * 7 * dk * dv, heads * dk * dv
+    if node.attrs.get("recurrent") == "mamba" and len(ins) >= 3:
+        u, a = ins[0], ins[2]
+        tokens = numel(u) // max(int(u[1]), 1)
+        return tokens * 9 * int(a[0]) * int(a[-1]), 9 * int(a[0]) * int(a[-1]), \
+            int(a[0]) * int(a[-1])
+    return 0, 0, 0
 
 
 def node_bytes(node: Node) -> int:
@@ -179,6 +216,8 @@ def canonicalise(graph: Graph) -> Graph:
                 if kind == "other":
                     unknown[node.target] = unknown.get(node.target, 0) + 1
             node.op = kind
+            if kind == "recurrent_scan" and base_name(node.target) in RECURRENT_VARIANTS:
+                node.attrs["recurrent"] = RECURRENT_VARIANTS[base_name(node.target)]
         node.flops = node_flops(node)
         node.bytes = node_bytes(node)
     for target, count in sorted(unknown.items()):

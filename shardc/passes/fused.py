@@ -115,9 +115,24 @@ def _out_features(n: Node) -> int:
     return int(n.output_shape[-1]) if n.output_shape else -1
 
 
+RECURRENT_OPS = ("causal_conv", "recurrent_scan")
+
+
+def recurrent_heads(scan: Node) -> int:
+    """Heads a ``recurrent_scan`` splits into under tensor parallelism: Gated DeltaNet's value
+    heads (v ``[B, S, Hv, Dv]``), Mamba's channels (u ``[B, D, S]``, each its own state)."""
+    ins = scan.input_shapes
+    if scan.attrs.get("recurrent") == "gated_deltanet" and len(ins) >= 3:
+        return int(ins[2][-2])
+    return int(ins[0][1]) if ins and len(ins[0]) >= 2 else 1
+
+
 def _attention_core(nodes: list[Node], flow: _Flow) -> list[Node]:
     core = [n for n in nodes if n.op == "attention"]
     if core:
+        return core
+    core = [n for n in nodes if n.op in RECURRENT_OPS]
+    if any(n.op == "recurrent_scan" for n in core):
         return core
     mms = [n for n in nodes if n.op == "matmul" and not n.params and len(n.input_shapes) >= 2
            and len(n.input_shapes[0]) >= 3]
@@ -159,6 +174,8 @@ def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
         for n in linears:
             if n.name in reached and flow.pos[n.name] > end and n.name not in done:
                 mark(n, "out_proj")
+        if any(c.op == "recurrent_scan" for c in core):
+            _recurrent_core_params(nodes, core, flow, mark, done)
     routers = [n for n in nodes if n.op == "router"]
     router_names = {n.name for n in routers}
     num_experts = {int(n.params[0].shape[0]) for n in grouped if n.params}
@@ -194,6 +211,26 @@ def _assign_layer(nodes: list[Node], flow: _Flow) -> None:
             continue
         if n.op == "norm" or (n.params and all(len(p.shape) == 1 for p in n.params)):
             n.fused_op = "norm"
+
+
+def _recurrent_core_params(nodes: list[Node], core: list[Node], flow: _Flow, mark, done) -> None:
+    """The rest of a linear-attention / Mamba core: linears between its conv and its scan
+    (Mamba's ``x_proj`` / ``dt_proj``: per-channel inputs, split with the channels) and
+    parametric nodes with one entry per head that reach the core without passing a matmul
+    (``A_log``, ``dt_bias``); both shard with the heads. Per-token norms of other widths
+    (Mamba's dt / B / C norms, the gated output norm) stay ``norm`` (replicated)."""
+    scan = next(c for c in core if c.op == "recurrent_scan")
+    heads = recurrent_heads(scan)
+    names = {c.name for c in core}
+    start, end = min(flow.pos[c] for c in names), max(flow.pos[c] for c in names)
+    for n in nodes:
+        if n.name in done or not n.params:
+            continue
+        if n.op == "linear" and start < flow.pos[n.name] < end:
+            mark(n, "attn_core")
+        elif n.op != "linear" and all(p.shape and int(p.shape[0]) == heads for p in n.params) \
+                and flow.reach(n) & names:
+            mark(n, "attn_core")
 
 
 def refuse_dense_experts(graph: Graph) -> None:

@@ -39,7 +39,7 @@ from collections import defaultdict
 
 from shardc.ir.graph import FusedOp, Graph, LayerKind, Node
 from shardc.ir.windows import attended_positions, op_window
-from shardc.passes.canonicalise import dtype_bytes
+from shardc.passes.canonicalise import DELTA_CHUNK, dtype_bytes, numel, recurrent_scan_flops
 from shardc.passes.dataflow import Dataflow
 
 
@@ -116,7 +116,59 @@ def mla_absorbed_flops_per_context(heads: int, kv_lora: int, rope: int) -> int:
     return 2 * heads * ((kv_lora + rope) + kv_lora)
 
 
+def _recurrent_core(core: list[Node], qkv: list[Node]) -> FusedOp:
+    """The core of a linear-attention (Gated DeltaNet) or Mamba layer: conv + scan, and
+    for Mamba the ``x_proj`` / ``dt_proj`` linears between them. No KV cache: a constant
+    per-sequence state (``state_elems_per_sequence`` = recurrent + conv state, per layer,
+    all heads), split by heads like attention. ``flops_per_token`` is the traced (prefill,
+    chunked) form; ``decode_flops_per_token`` one recurrent step. ``inner_all_reduce_features``:
+    the outputs of linears inside the core (Mamba's ``x_proj``: dt rank + 2 x state), whose
+    input is split by channels under a heads split, so they are all-reduced over tp."""
+    scan = next(n for n in core if n.op == "recurrent_scan")
+    conv = [n for n in core if n.op == "causal_conv"]
+    inner = [n for n in core if n.op == "linear"]
+    _, decode_scan, state = recurrent_scan_flops(scan)
+    ins = scan.input_shapes
+    variant = scan.attrs.get("recurrent", "")
+    if variant == "gated_deltanet":
+        heads, kv_heads, head_dim, v_head_dim = (int(ins[2][-2]), int(ins[0][-2]),
+                                                 int(ins[0][-1]), int(ins[2][-1]))
+        tokens = numel(ins[2][:-2])
+    else:  # mamba: every channel its own d_state-wide state
+        heads = kv_heads = int(ins[0][1])
+        head_dim, v_head_dim = int(ins[2][-1]), 1
+        tokens = numel(ins[0]) // max(heads, 1)
+    conv_state = sum(int(n.params[0].shape[0]) * (int(n.params[0].shape[-1]) - 1)
+                     for n in conv if n.params)
+    conv_flops = sum(2 * int(n.params[0].shape[0]) * int(n.params[0].shape[-1])
+                     for n in conv if n.params)
+    linear_flops = 2 * _weight_total(inner)
+    prefill = scan.flops // max(tokens, 1) + conv_flops + linear_flops
+    params = _param_total(core)
+    attrs = {"recurrent": variant, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+             "v_head_dim": v_head_dim, "kv_cache_elems_per_token": 0,
+             "kv_cache_split_by_heads": True, "flops_per_token_per_context": 0,
+             "decode_flops_per_token_per_context": 0,
+             "decode_flops_per_token": decode_scan + conv_flops + linear_flops,
+             "recurrent_state_elems": state, "conv_state_elems": conv_state,
+             "state_elems_per_sequence": state + conv_state,
+             "kernels": len(conv) + 1 + len(inner)}
+    if variant == "gated_deltanet":
+        attrs["scan_chunk"] = DELTA_CHUNK
+    reduced = [int(p.shape[0]) for n in inner for p in n.params
+               if len(p.shape) == 2 and int(p.shape[1]) == heads]  # weight [out, channels]
+    if reduced:
+        attrs["inner_all_reduce_features"] = sum(reduced)
+    up = [n for n in qkv if not n.attrs.get("low_rank")]
+    return FusedOp(name="attn_core", in_features=sum(_out(n) for n in up),
+                   out_features=heads * v_head_dim,
+                   params=params, shardable_params=params, flops_per_token=prefill,
+                   nodes=[n.name for n in core], attrs=attrs)
+
+
 def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
+    if any(n.op == "recurrent_scan" for n in core):
+        return _recurrent_core(core, qkv)
     att = next((n for n in core if n.op == "attention"), None)
     if att is not None and len(att.input_shapes) >= 3:
         q, v = att.input_shapes[0], att.input_shapes[2]
@@ -141,6 +193,16 @@ def _attn_core(core: list[Node], qkv: list[Node], nodes: list[Node]) -> FusedOp:
     else:
         total = sum(_out(n) for n in up)
         kv_heads = max((total - heads * head_dim) // max(head_dim + v_head_dim, 1), 1)
+        # projections feeding v but not q (a q projection may carry more than the queries,
+        # e.g. Qwen3-Next's output gate): the KV heads from their width
+        feeds_q = _feeders(att.inputs[0], nodes, names) if att is not None and att.inputs \
+            else set()
+        v_only = [n for n in up if n.name in feeds_v and n.name not in feeds_q]
+        if v_only and att is not None and len(att.inputs) >= 2:
+            feeds_k = _feeders(att.inputs[1], nodes, names)
+            width = sum(_out(n) for n in v_only)
+            both = all(n.name in feeds_k for n in v_only)
+            kv_heads = max(width // max(head_dim + v_head_dim if both else v_head_dim, 1), 1)
         cache, split, decode = kv_heads * (head_dim + v_head_dim), True, traced
     attrs = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_head_dim": v_head_dim,
              "kv_cache_elems_per_token": cache, "kv_cache_split_by_heads": split,
@@ -262,6 +324,9 @@ def _layer_ops(nodes: list[Node], tokens: int = 0) -> tuple[list[FusedOp], int]:
     return ops, other
 
 
+RECURRENT_KIND_PREFIX = {"gated_deltanet": "linear_attn", "mamba": "mamba"}
+
+
 def _signature(nodes: list[Node]) -> tuple:
     """Per node: op, fused op, parameter shapes and the attention window (a sliding-window
     layer is a kind of its own even where its traced graph matches a full layer's)."""
@@ -284,6 +349,9 @@ def group_layers(graph: Graph) -> Graph:
         kind = kinds.get(sig)
         if kind is None:
             base = "moe_block" if any(n.op == "grouped_matmul" for n in nodes) else "dense_block"
+            scan = next((n for n in nodes if n.op == "recurrent_scan"), None)
+            if scan is not None:  # a linear-attention / Mamba layer: a kind of its own name
+                base = f"{RECURRENT_KIND_PREFIX.get(scan.attrs.get('recurrent'), 'recurrent')}_{base}"
             base_count[base] += 1
             name = base if base_count[base] == 1 else f"{base}_{base_count[base]}"
             ops, other = _layer_ops(nodes, graph.tokens)
@@ -327,7 +395,9 @@ def _config(graph: Graph) -> dict:
     cfg["vocab"] = emb.in_features if emb else head.out_features if head else 0
     cfg["hidden"] = emb.out_features if emb else head.in_features if head else 0
     cfg["layers"] = graph.num_layers
-    attn = next((k.op("attn_core") for k in graph.layer_kinds if k.op("attn_core")), None)
+    cores = [k.op("attn_core") for k in graph.layer_kinds if k.op("attn_core")]
+    # the model's attention heads: a softmax-attention core's, else a recurrent one's
+    attn = next((c for c in cores if not c.attrs.get("recurrent")), cores[0] if cores else None)
     a = attn.attrs if attn else {}
     for key in ("heads", "kv_heads", "head_dim", "v_head_dim"):
         cfg[key] = int(a.get(key, 0))
@@ -355,7 +425,9 @@ def decode_flops_per_token(graph: Graph, context: int) -> int:
     for k in graph.layer_kinds:
         per_layer = sum(o.flops_per_token for o in k.ops)
         attn = k.op("attn_core")
-        if attn:
+        if attn and attn.attrs.get("recurrent"):  # one recurrent step, whatever the context
+            per_layer += int(attn.attrs["decode_flops_per_token"]) - attn.flops_per_token
+        elif attn:
             a = attn.attrs
             read = int(attended_positions(context, op_window(a)))
             per_layer += read * int(a.get("decode_flops_per_token_per_context",
