@@ -7,8 +7,10 @@
 
 Keys beyond SPEC section 4's minimum: ``spmd_dims`` (the mesh dims every ``placements``
 list refers to: the logical mesh without ``pp``), ``layer_kinds [{name, count, layers,
-attention, window}]`` (``attention``: ``full`` or ``sliding_window`` with its ``window`` in
-tokens, per kind: Gemma's alternating and 5:1 patterns show as kinds)
+attention, window, recurrent_state}]`` (``attention``: ``full`` or ``sliding_window`` with its
+``window`` in tokens, per kind: Gemma's alternating and 5:1 patterns show as kinds; a
+linear-attention / Mamba kind says ``gated_deltanet`` / ``mamba`` and gives its
+``recurrent_state`` elements per sequence and layer, :mod:`shardc.ir.recurrent`)
 and ``params [{fqn, shape, placements, local_shape, stage, op, layer, split_dims}]`` (what
 every rank holds; the fused op, decoder layer and the tensor dim each choice cuts come from
 the graph, :mod:`shardc.ir.param_roles`, with ``expert_dim`` / ``parts`` / ``tied`` where

@@ -34,6 +34,8 @@ FAMILIES = [
     ("Granite-3.0-3B-A800M", "granite3_0_3b_a800m"),
     ("DBRX", "dbrx"),
     ("Kimi-K2", "kimi_k2"),
+    ("Qwen3-Next-80B-A3B (Gated DeltaNet hybrid)", "qwen3_next_80b_a3b"),
+    ("Jamba-v0.1 (Mamba hybrid)", "jamba_v0_1"),
 ]
 
 def config_path(name: str) -> Path:

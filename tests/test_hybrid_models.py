@@ -9,6 +9,7 @@ Jamba-v0.1, the 52B model whose architecture Jamba-1.5-Mini shares).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,8 +126,10 @@ def test_the_traced_kernels_compute_what_transformers_computes(name):
     model = build_causal_lm(tiny_config(CONFIGS / name / "config.json"), device="cpu",
                             dtype=torch.float32)
     ids = token_ids(int(model.config.vocab_size), seq=12)[0]
+    module = sys.modules[type(model).__module__]
     with torch.no_grad():
         plain = model(ids, use_cache=False).logits
         with recurrent_kernels(model):
+            assert module.causal_conv1d_fn.__module__ == "shardc.frontends.recurrent_kernels"
             leaves = model(ids, use_cache=False).logits
     torch.testing.assert_close(leaves, plain, rtol=1e-5, atol=1e-5)

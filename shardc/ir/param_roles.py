@@ -11,7 +11,8 @@ table as ``[vocab, hidden]``; where the widths tell the two apart (``in != out``
 
 :class:`ParamUse` per parameter FQN:
 
-* ``op``: the fused op (``qkv``, ``ffn1``, ``expert_ffn2``, ``embedding``, ...) or None (norms,
+* ``op``: the fused op (``qkv``, ``ffn1``, ``expert_ffn2``, ``embedding``, the parameters of a
+  linear-attention / Mamba ``attn_core``, ...) or None (norms,
   learned position tables, MLA's low-rank down projections: replicated over tp);
 * ``layer``: the decoder-layer index (None outside the repeated blocks);
 * ``split_dims``: the tensor dim cut by choice 0 and by choice 1 (``OpChoice.weight_split``:
@@ -111,6 +112,22 @@ def _packed_parts(graph: Graph, kind: LayerKind | None, op: str, width: int,
     return []
 
 
+def _recurrent_use(a: dict, layer: int | None, shape: list[int]) -> ParamUse:
+    """A parameter of a linear-attention / Mamba core (:mod:`shardc.ir.recurrent`): a heads
+    split cuts the dim that runs over its heads (Mamba: channels) -- ``A_log``, ``dt_bias``,
+    ``D``, ``dt_proj`` (out) and ``x_proj`` (in) -- or, for Gated DeltaNet's conv weight over
+    the concatenated q, k, v channels, each of the three parts; a batch split none."""
+    heads = int(a.get("heads", 0))
+    q = k = int(a.get("kv_heads", 0)) * int(a.get("head_dim", 0))
+    v = heads * int(a.get("v_head_dim", 0))
+    for d, size in enumerate(shape):
+        if size == heads:
+            return ParamUse("attn_core", layer, (d, None))
+    if shape and a.get("recurrent") == "gated_deltanet" and shape[0] == q + k + v:
+        return ParamUse("attn_core", layer, (0, None), None, [q, k, v])
+    return ParamUse(None, layer)
+
+
 def param_uses(graph: Graph) -> dict[str, ParamUse]:
     """FQN -> :class:`ParamUse` for every parameter a fused op reads (the first op reading a
     tied weight owns it: the embedding); parameters no fused op reads are absent."""
@@ -135,6 +152,11 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
                     u.tied.append((n.fused_op, n.module_path))
                 continue
             op = n.fused_op
+            core = kind_of[n.layer].op("attn_core") if op == "attn_core" \
+                and n.layer in kind_of else None
+            if core is not None and core.attrs.get("recurrent"):
+                uses[p.fqn] = _recurrent_use(core.attrs, n.layer, [int(s) for s in p.shape])
+                continue
             if op in (None, "norm", "attn_core") or n.attrs.get("low_rank"):
                 uses[p.fqn] = ParamUse(None, n.layer)
                 continue
@@ -156,7 +178,8 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
                                   len(weights.get((n.layer, op), ())))
             uses[p.fqn] = ParamUse(op, n.layer, (out_d, in_d), expert, parts)
     # a bias whose op is packed is packed the same way
-    packed = {(u.layer, u.op): u.parts for u in uses.values() if u.parts}
+    packed = {(u.layer, u.op): u.parts for u in uses.values() if u.parts
+              and u.op != "attn_core"}  # a recurrent core's per-head vectors are not packed
     for fqn, u in uses.items():
         if u.split_dims == (0, None) and (u.layer, u.op) in packed:
             uses[fqn] = ParamUse(u.op, u.layer, u.split_dims, None, packed[(u.layer, u.op)],
