@@ -133,3 +133,30 @@ def test_the_traced_kernels_compute_what_transformers_computes(name):
             assert module.causal_conv1d_fn.__module__ == "shardc.frontends.recurrent_kernels"
             leaves = model(ids, use_cache=False).logits
     torch.testing.assert_close(leaves, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_a_heads_split_needs_tp_to_divide_the_recurrent_layers_own_heads():
+    """Legal choices of a Gated DeltaNet core follow its own value and key heads (the state
+    shards with them), not the model's attention heads; no key head is replicated."""
+    import copy
+
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload
+    from shardc.ir.space import StrategySpace
+
+    g = copy.deepcopy(load_graph(CONFIGS / "qwen3_next_80b_a3b" / "config.json"))
+    space = StrategySpace(g, Mesh(8, 1), Workload(context=4096))
+    tp8 = space.values["tp"].index(8)
+    slot = space.op_slots.index
+    heads = 0  # choice index of the heads split (ir.contract)
+    assert space.op_mask_by_tp[tp8, slot("linear_attn_moe_block.attn_core"), heads]
+    assert space.op_mask_by_tp[tp8, slot("moe_block.attn_core"), heads]  # 2 KV heads replicated
+    # the same model with 4 key heads in its linear layers: tp 8 cannot split them
+    core = g.layer_kind("linear_attn_moe_block").op("attn_core")
+    core.attrs["kv_heads"] = 4
+    space = StrategySpace(g, Mesh(8, 1), Workload(context=4096))
+    assert not space.op_mask_by_tp[tp8, slot("linear_attn_moe_block.attn_core"), heads]
+    assert not space.op_mask_by_tp[tp8, slot("linear_attn_moe_block.qkv"), heads]
+    assert space.op_mask_by_tp[tp8, slot("moe_block.attn_core"), heads]
+    assert space.op_mask_by_tp[space.values["tp"].index(4),
+                               slot("linear_attn_moe_block.attn_core"), heads]

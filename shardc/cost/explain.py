@@ -202,6 +202,12 @@ def kernel_fallbacks(cm, b) -> list[dict]:
     out = list(b.fallbacks) + [{
         "op": "embedding, norms, residual adds, pipeline send/recv", "shape": "",
         "source": "roofline", "reason": "no measured table for these kernels"}]
+    recurrent = sorted({k.name for k in cm.graph.layer_kinds
+                        if k.op("attn_core") is not None and is_recurrent(k.op("attn_core").attrs)})
+    if recurrent:
+        out.append({"op": ", ".join(f"{k}.attn_core" for k in recurrent), "shape": "",
+                    "source": "roofline", "reason": "linear-attention / Mamba conv and scan "
+                    "kernels: no measured table"})
     if float(np.asarray(b.ep).reshape(-1)[0]) > 1:
         out.append({"op": "ep dispatch/combine all_to_all", "shape": "",
                     "source": "deepep-model",
