@@ -100,6 +100,7 @@ def recurrent_kernels(model: torch.nn.Module):
     """While tracing ``model``: the recurrent kernel functions of the transformers modules
     its layers come from are the custom ops above (module docstring); restored on exit."""
     saved = []
+    before = dict(_ORIGINAL)
     modules = {type(m).__module__ for m in model.modules()}
     for name in sorted(modules):
         mod = sys.modules.get(name)
@@ -109,7 +110,7 @@ def recurrent_kernels(model: torch.nn.Module):
             original = getattr(mod, fn, None)
             if original is None:
                 continue
-            _ORIGINAL.setdefault(leaf, original)
+            _ORIGINAL[leaf] = original  # this model's own torch function (eager path)
             saved.append((mod, fn, original))
             setattr(mod, fn, _WRAPPERS[leaf])
     try:
@@ -117,3 +118,5 @@ def recurrent_kernels(model: torch.nn.Module):
     finally:
         for mod, fn, original in saved:
             setattr(mod, fn, original)
+        _ORIGINAL.clear()
+        _ORIGINAL.update(before)

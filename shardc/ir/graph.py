@@ -125,7 +125,9 @@ class FusedOp:
     absorbed-MLA form ``2 * heads * (2 * kv_lora + rope)`` over the latent cache for MLA, else
     equal to the former), ``window`` (tokens; only on sliding-window layers:
     :mod:`shardc.ir.windows`), ``whole_projection_norms`` (only when > 0: q/k norms over a
-    whole projection, all-reduced under a heads split); ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
+    whole projection, all-reduced under a heads split); a linear-attention / Mamba core adds
+    ``recurrent``, ``state_elems_per_sequence`` and the rest of :mod:`shardc.ir.recurrent`
+    (its ``flops_per_token`` and ``params`` are its own); ``attn_core.flops_per_token`` is 0, ``in_features`` = q+k+v features,
     ``out_features`` = heads * v_head_dim); for expert ops ``num_experts``, ``top_k``,
     ``gated``; for ffn1-like ops ``gated`` (SwiGLU); for shared-expert ops ``num_shared``.
     ``qkv`` of MLA: ``out_features`` = q and kv up-projection outputs; the low-rank down

@@ -4,8 +4,11 @@ Uses op kinds, parameters (shapes), layer indices and dataflow (``Node.inputs``)
 ``Node.target`` -- so nodes from any frontend (torch.export, ONNX) are grouped the same way.
 Per decoder layer (nodes with the same ``Node.layer``):
 
-* attention core: the ``attention`` node(s); without one (unfused attention), the
-  activation-by-activation ``matmul`` nodes and the ``softmax``-like activations between them;
+* attention core: the ``attention`` node(s); without one, a linear-attention / Mamba core
+  (the ``causal_conv`` and ``recurrent_scan`` nodes, plus the linears between them and the
+  per-head parameters reaching them: :func:`_recurrent_core_params`); else (unfused
+  attention) the activation-by-activation ``matmul`` nodes and the ``softmax``-like
+  activations between them;
 * ``qkv``: parametric ``linear`` nodes before the core whose output reaches another linear
   before the core (MLA's low-rank "down" projections; ``Node.attrs['low_rank'] = True``),
   plus those whose output reaches the core without passing another linear ("up" projections);

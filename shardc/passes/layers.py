@@ -22,6 +22,11 @@ projection output rather than each head (OLMoE) -- a reduction over the full wid
 qkv up-projection's output on its way to the core; under a heads split each such norm
 all-reduces a ``[tokens, 1]`` sum of squares over tp (:func:`whole_projection_norms`).
 
+A linear-attention / Mamba layer's core (:func:`_recurrent_core`, kinds named
+``linear_attn_*`` / ``mamba_*``) has no per-context FLOPs and no KV cache: a constant state
+per sequence, ``flops_per_token`` (prefill) and ``decode_flops_per_token`` (one step), which
+the decode sum below uses in place of the traced form.
+
 Decode FLOPs per token (:func:`decode_flops_per_token`) at context ``C``::
 
     sum_kinds count * (sum_ops flops_per_token
