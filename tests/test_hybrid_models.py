@@ -93,6 +93,13 @@ def test_recurrent_layers_are_kinds_of_their_own_without_a_kv_cache():
     assert attn["kv_cache_elems_per_token"] == 2 * 2 * 256
     ops = {n.op for n in g.nodes if n.layer_kind == "linear_attn_moe_block"}
     assert {"causal_conv", "recurrent_scan"} <= ops and "attention" not in ops
+    # a longer context costs only the 12 attention layers more FLOPs per decoded token
+    from shardc.passes.layers import decode_flops_per_token
+
+    grow = decode_flops_per_token(g, 8192) - decode_flops_per_token(g, 1024)
+    assert grow == 12 * (8192 - 1024) * attn["decode_flops_per_token_per_context"]
+    # one Gated DeltaNet step: 7 Dk Dv FLOPs per value head + the conv (2 x 8192 x 4)
+    assert a["decode_flops_per_token"] == 32 * 7 * 128 * 128 + 2 * 8192 * 4
 
 
 def test_compile_plans_a_hybrid_model_with_engine_scripts_and_no_parallelize(tmp_path):
