@@ -117,6 +117,9 @@ def test_compile_plans_a_hybrid_model_with_engine_scripts_and_no_parallelize(tmp
     assert plan["backend"]["runs"] is False
     assert "linear-attention / state-space (recurrent) layers" in plan["backend"]["reason"]
     assert not (out / "parallelize.py").exists()
+    assert "linear_attn_moe_block x 36 (layers 0, 1, 2, 4," in (out / "graph.txt").read_text()
+    assert "Gated DeltaNet linear attention: a constant state of 548,864 elements per " \
+        "sequence, no KV cache" in (out / "graph.txt").read_text()
     for script in ("launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
         assert (out / script).is_file()
 

@@ -104,8 +104,8 @@ def plan_note(plan) -> str:
 
 def layer_kinds_note(layer_kinds: list[dict]) -> str:
     """One line per layer kind of plan.json ``layer_kinds`` with its attention variant
-    (sliding window, full) -- the per-layer pattern graph.txt / graph.dot show in their
-    header; "" when no kind has one."""
+    (sliding window, full, Gated DeltaNet / Mamba with its state) -- the per-layer pattern
+    graph.txt / graph.dot show in their header; "" when every kind is full attention."""
     from shardc.ir.windows import variant_text
     from shardc.text import one_line
 
@@ -117,7 +117,8 @@ def layer_kinds_note(layer_kinds: list[dict]) -> str:
                 (", ..." if len(k["layers"]) > 8 else "")
             lines.append(f"layer kind {one_line(k['name'])} x {k['count']} (layers {layers}): "
                          f"{text}")
-    return "\n".join(lines) if any("sliding" in ln for ln in lines) else ""
+    shown = any(k.get("attention") not in (None, "full") for k in layer_kinds)  # sliding,
+    return "\n".join(lines) if shown else ""  # or linear-attention / Mamba kinds
 
 
 def dot_text(text: object) -> str:
