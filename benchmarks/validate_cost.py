@@ -150,6 +150,22 @@ def validation_rows(kernels: str = "roofline") -> list[dict]:
     return rows
 
 
+def geomean_error(rows: list[dict]) -> float:
+    """Geometric-mean error of predicted / published: ``exp(mean |ln ratio|) - 1`` (0.10 =
+    10%: a factor-symmetric mean, so 0.8 and 1.25 count alike)."""
+    return float(np.exp(np.mean([abs(np.log(r["ratio"])) for r in rows])) - 1.0)
+
+
+def summary(rows: list[dict], band: float = 0.25) -> str:
+    """One line: the geometric-mean error over every published point and over the
+    TRT-LLM figures, and how many points lie within ``+-band``."""
+    trt = [r for r in rows if r["case"].startswith("TRT-LLM")]
+    inside = sum(1 - band <= r["ratio"] <= 1 + band for r in rows)
+    return (f"{rows[0]['kernels']}: geomean error {geomean_error(rows):.1%} over all "
+            f"{len(rows)} points ({inside} within +-{band:.0%}), "
+            f"{geomean_error(trt):.1%} over the {len(trt)} TRT-LLM figures")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true")
@@ -163,6 +179,7 @@ def main(argv=None) -> int:
         for r, q in zip(roof, sil):
             print(f"| {r['case']} | {r['published']:,.0f} {r['unit']} | {r['predicted']:,.0f} | "
                   f"{r['ratio']:.2f} | {q['predicted']:,.0f} | {q['ratio']:.2f} | {q['setup']} |")
+        print(f"\n{summary(roof)}\n{summary(sil)}")
         return 0 if all(np.isfinite(r["ratio"]) for r in roof + sil) else 1
     rows = validation_rows(args.kernels)
     if args.markdown:
@@ -175,6 +192,7 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r['case']:40s} published {r['published']:>10,.0f}  predicted "
                   f"{r['predicted']:>10,.0f}  ratio {r['ratio']:.2f}  ({r['setup']})")
+    print(f"\n{summary(rows)}")
     return 0 if all(np.isfinite(r["ratio"]) for r in rows) else 1
 
 

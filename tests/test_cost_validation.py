@@ -38,3 +38,22 @@ def test_validation_ratios_on_fixture_graphs(monkeypatch):
 def test_validation_ratios_on_traced_graphs():
     pytest.importorskip("shardc.frontends")
     _check(validate_cost.validation_rows())
+
+
+def test_measured_kernels_meet_issue_23_bar(monkeypatch):
+    """With the measured kernel tables (the default for h100): every TRT-LLM figure within
+    +-25% and the geometric-mean error over all published points <= 15% (issue 23); the
+    DeepSeek-V3 prefill point (H800 TOML hardware, so priced by the roofline) is the documented
+    miss of docs/validation.md."""
+    monkeypatch.setattr(validate_cost, "model_graph", lambda n: (fixture_graph(n), "fixture"))
+    rows = validate_cost.validation_rows("silicon")
+    for r in rows:
+        if r["case"].startswith("TRT-LLM"):
+            assert 0.75 <= r["ratio"] <= 1.25, f"{r['case']}: ratio {r['ratio']:.2f}"
+    assert validate_cost.geomean_error(rows) <= 0.15
+
+
+def test_geomean_error_is_factor_symmetric():
+    rows = [{"ratio": 0.8}, {"ratio": 1.25}]
+    assert abs(validate_cost.geomean_error(rows) - 0.25) < 1e-12
+    assert validate_cost.geomean_error([{"ratio": 1.0}]) == 0.0

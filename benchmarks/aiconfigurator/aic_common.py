@@ -267,11 +267,15 @@ def shardc_help(subcommand: str) -> str:
 
 
 def flag_choices(help_text: str, flag: str) -> list[str] | None:
-    """The ``{a,b}`` choices argparse prints for ``flag``; [] for a flag without choices;
+    """The ``{a,b}`` choices argparse prints for ``flag`` (or the words of an ``a|b|FILE``
+    metavar, as ``--kernels silicon|roofline|FILE.npz``); [] for a flag without choices;
     None when the flag does not exist."""
     m = re.search(re.escape(flag) + r"\s+\{([^}]*)\}", help_text)
     if m:
         return [c.strip() for c in m.group(1).split(",")]
+    m = re.search(re.escape(flag) + r"[ =]([\w.:-]+(?:\|[\w.:-]+)+)", help_text)
+    if m:
+        return m.group(1).split("|")
     return [] if re.search(re.escape(flag) + r"\b", help_text) else None
 
 

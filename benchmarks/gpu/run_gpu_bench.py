@@ -18,7 +18,11 @@ Rows, in order:
    bandwidth the step reaches (weights + KV bytes per step / step time) as a fraction of the
    measured copy bandwidth;
 3. HF eager: the same model's ``forward`` of one decode token with its own cache after a
-   prefill of the context (``attn_implementation="sdpa"``), median ms.
+   prefill of the context (``attn_implementation="sdpa"``), median ms;
+4. issue 23's op rows (``benchmarks/gpu/op_bench.py``): Qwen3-30B-A3B's expert GEMMs as
+   ``torch._grouped_mm`` under random top-k and balanced routing, and Llama-3.1-8B's FP8
+   linears as ``torch._scaled_mm`` (with the activation quantisation timed on its own), each
+   beside shardc's per-op prediction (``--ops-only`` runs just these, ``--skip-ops`` skips them).
 
 ``--dry-run`` runs the same code on CPU with tiny configs of the same families (shardc's
 ``tiny_config``), small batches and contexts, a few steps: it checks the harness, not speed.
@@ -37,6 +41,10 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import op_bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
@@ -175,6 +183,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu.md"))
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="no HF eager baseline")
+    p.add_argument("--ops-only", action="store_true", help="only the op rows (op_bench.py)")
+    p.add_argument("--skip-ops", action="store_true", help="no op rows (op_bench.py)")
+    p.add_argument("--hardware", default=None,
+                   help="preset pricing the op rows (default: from the GPU's name)")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("no GPU: run with --dry-run to check the harness on CPU")
@@ -184,7 +196,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="shardc-gpu-bench-") as tmp:
         tmp = Path(tmp)
         for i, (label, folder, phase, batch, length) in enumerate(
-                DRY_CASES if args.dry_run else CASES):
+                [] if args.ops_only else DRY_CASES if args.dry_run else CASES):
             config = config_file(folder, args.dry_run, tmp)
             out = tmp / f"case{i}"
             plan = compile_plan(config, phase, batch, length, out)
@@ -202,9 +214,25 @@ def main(argv=None) -> None:
                 row["bw_fraction"] = gbs / ceil["copy_gb_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    text = render(rows, ceil, args.dry_run)
+        ops = None if args.skip_ops else run_op_rows(args, steps, tmp)
+    text = render(rows, ceil, args.dry_run) + (op_bench.render_ops(*ops) if ops else "")
     Path(args.out).write_text(text)
     print(text)
+
+
+def run_op_rows(args, steps: int, tmp: Path) -> tuple[list, list, str]:
+    """Issue 23's op rows (op_bench.py): MoE experts and FP8 linears, with the preset."""
+    hardware = args.hardware or op_bench.hardware_for_device(
+        "h200" if args.dry_run else "h100")
+    moe = op_bench.moe_rows(config_file("qwen3_30b_a3b", args.dry_run, tmp), _cuda_ms,
+                            hardware, steps, args.dry_run)
+    for r in moe:
+        print(json.dumps(r), flush=True)
+    fp8 = op_bench.fp8_rows(config_file("llama3_1_8b", args.dry_run, tmp), _cuda_ms,
+                            hardware, steps, args.dry_run)
+    for r in fp8:
+        print(json.dumps(r), flush=True)
+    return moe, fp8, hardware
 
 
 def _fmt(x, spec=".2f") -> str:
