@@ -29,6 +29,8 @@ harness, not speed.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -56,15 +58,22 @@ def hardware_for_device(default: str = "h100") -> str:
     return next((preset for key, preset in PRESETS if key in name), default)
 
 
+@lru_cache(maxsize=None)
+def _graph(config: str):
+    """shardc's graph of ``config`` (built once per file)."""
+    from shardc.api import load_model_graph
+
+    return load_model_graph(config)
+
+
 def _op_rows(config, phase: str, batch: int, length: int, hardware: str, kernels: str,
              weights: str = "bf16") -> dict[str, dict]:
     """{op: simulate's row} of one layer at tp = 1 on one GPU (ms; no SLOs)."""
-    from shardc.api import load_model_graph
     from shardc.cost import CostModel
     from shardc.ir.space import StrategySpace, megatron_op_choices
     from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload
 
-    graph = load_model_graph(str(config))
+    graph = _graph(str(config))
     mesh = Mesh(1, 1)
     wl = Workload(phase=phase, batch=batch, context=length, prompt=length, weights=weights,
                   tpot_slo_ms=1e9, ttft_slo_ms=1e9)
@@ -78,10 +87,9 @@ def _op_rows(config, phase: str, batch: int, length: int, hardware: str, kernels
 
 def expert_shape(config) -> tuple[int, int, int, int]:
     """(hidden, expert inter, top-k, experts) of the model's routed experts."""
-    from shardc.api import load_model_graph
     from shardc.cost.calibrate import expert_shapes
 
-    shapes = expert_shapes(load_model_graph(str(config)))
+    shapes = expert_shapes(_graph(str(config)))
     if not shapes:
         raise ValueError(f"{config}: no routed experts")
     return shapes[0]
@@ -150,10 +158,7 @@ def moe_rows(config, timer, hardware: str, steps: int, dry: bool) -> list[dict]:
 
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """{op: (n, k)} of the model's dense linears at tp = 1 (out, in features)."""
-    from shardc.api import load_model_graph
-
-    graph = load_model_graph(str(config))
-    kind = graph.layer_kinds[0]
+    kind = _graph(str(config)).layer_kinds[0]
     return {name: (int(op.out_features), int(op.in_features))
             for name in LINEARS if (op := kind.op(name)) is not None}
 
