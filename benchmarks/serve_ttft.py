@@ -32,8 +32,10 @@ CONFIG = ROOT / "examples" / "configs" / "llama3_1_70b" / "config.json"
 # (hardware, engine, isl, osl, TTFT SLO ms, TPOT SLO ms, {batch: reference text})
 CASES = [
     ("h200", "vllm", 1024, 256, 500.0, 10.0,
-     {1: "-", 16: "AIConfigurator 0.12 (vLLM tables): tp8 batch 16 meets TTFT 500 / TPOT 10 "
-                 "(issue 23)"}),
+     {1: "AIConfigurator 0.12 agg estimate (vLLM tables, BF16; a model, not a measurement): "
+         "TTFT 108.5 / TPOT 7.90 ms = prefill 44.5 ms + 64 ms fitted vLLM host dispatch",
+      16: "AIConfigurator 0.12 agg estimate, same: TTFT 164.6 / TPOT 11.37 ms = (prefill + "
+          "64 ms) x 1.5 fitted queueing factor"}),
     ("h100", "trtllm", 2048, 128, 1000.0, 50.0,
      {1: "93.7 ms: AIConfigurator 0.12 estimate (TRT-LLM tables), REFERENCE.md; a model, "
          "not a measurement", 16: "-"}),
