@@ -302,8 +302,13 @@ def markdown(rows, variants, pairs, note, versions, revision, wall_s) -> str:
         "- shardc's default prices the expert dispatch the emitted code runs: every tp rank "
         "sends its whole (tp-replicated) tokens' routed rows (docs/validation.md; "
         "`CostModel(moe_layouts=\"best\")` charges 1/tp of them). With ep across nodes "
-        "this dominates DeepSeek-V3 prefill at tp=8 ep=4 (2.1 s of shardc's 3.0 s TTFT at "
-        "b8 x 8192 is the expert all-to-all), where shardc predicts slower.",
+        "this dominates DeepSeek-V3 prefill at tp=8 ep=4 (1.6 s of shardc's 2.4 s TTFT at "
+        "b8 x 8192, `--kernels silicon --engine trtllm`, is the expert exchange), where "
+        "shardc predicts slower.",
+        "- Expert-parallel prefill of the fine-grained MoE (Qwen3-30B-A3B tp=1 ep=8 b8 x 8192, "
+        "0.70 against TRT-LLM) is the same routing difference as Mixtral's: shardc's uniform "
+        "routing puts the busiest of 8 ranks 0.5% above the mean at 65,536 tokens x top-8, "
+        "AIConfigurator's power-law tables let the busiest expert set the time.",
         "- A case shardc marks `error` with `strategy infeasible` does not fit its memory "
         "model (Qwen3-235B-A22B at tp=8: 70.6 GB of BF16 weights per GPU against the 70 GB "
         "shardc leaves for weights on an 80 GB H100; AIConfigurator prices it).",
