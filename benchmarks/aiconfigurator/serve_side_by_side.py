@@ -218,8 +218,10 @@ def aic_estimate_of_plan(cache: ac.Cache, folder: Path, moe: bool, case: ServeCa
 
 def shardc_simulate_of_aic(case: ServeCase, aic_agg: dict, moe: bool) -> dict:
     """shardc's `simulate --phase serve --mode agg` of AIConfigurator's best aggregated
-    worker (degrees and max batch): attention TP x DP = tp x dp_attn, the experts' TP x EP
-    = moe_tp x moe_ep (shardc's degrees say any split whose product is tp x dp_attn)."""
+    worker (degrees and max batch, priced at exactly that batch): attention TP x DP = tp x
+    dp_attn, the experts' TP x EP = moe_tp x moe_ep (shardc's degrees say any split whose
+    product is tp x dp_attn). An infeasible answer (exit 3: over an SLO or out of memory)
+    still carries shardc's numbers."""
     tp, pp, dp, etp, eep = (aic_agg.get(k, 1) for k in ("tp", "pp", "dp", "moe_tp", "moe_ep"))
     if moe and etp * eep != tp * dp:
         return {"error": f"not expressible in shardc's degrees: {aic_agg.get('parallel')}"}
@@ -233,17 +235,17 @@ def shardc_simulate_of_aic(case: ServeCase, aic_agg: dict, moe: bool) -> dict:
             "--mode", "agg", "--isl", str(case.isl), "--osl", str(case.osl),
             "--ttft-slo", f"{case.ttft_ms:g}", "--tpot-slo", f"{case.tpot_ms:g}",
             "--batch", str(batch), "--json", str(out)])
-        if rc != 0 or not out.exists():
+        if rc not in (0, 3) or not out.exists():
             return {"error": ac.shardc_error_line(so, se, rc), "degrees": degrees, "batch": batch}
         data = json.loads(out.read_text())
     pred = (data.get("serving") or {}).get("predicted") or data.get("predicted") or {}
     tpot = pred.get("tpot_ms")
     per_user = pred.get("tok_s_per_user") or (1000.0 / tpot if tpot else None)
-    # --batch caps the running sequences in serve: the batch shardc settled on
-    chosen = (data.get("workload") or {}).get("batch")
-    return {"degrees": degrees, "batch": batch, "chosen_batch": chosen,
+    reason = ((pred.get("breakdown") or {}).get("reason") if rc == 3 else None)
+    return {"degrees": degrees, "batch": batch,
+            "chosen_batch": (data.get("workload") or {}).get("batch"),
             "tok_s_per_gpu": pred.get("tok_s_per_gpu"), "tok_s_per_user": per_user,
-            "ttft_ms": pred.get("ttft_ms"), "tpot_ms": tpot}
+            "ttft_ms": pred.get("ttft_ms"), "tpot_ms": tpot, "infeasible": reason}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -306,9 +308,11 @@ def _simulate_cell(sim: dict | None, case: ServeCase) -> str:
     if "error" in sim:
         return f"error: {sim['error']}"
     batch = sim.get("chosen_batch")
+    mark = _slo_mark(sim, case)
+    if sim.get("infeasible") and not mark:  # infeasible for a reason other than the SLOs
+        mark = f" (infeasible in shardc: {sim['infeasible']})"
     return (f"{ac.fmt(sim.get('tok_s_per_gpu'))} ({ac.fmt(sim.get('tok_s_per_user'))})"
-            + (f" at batch {batch} of <= {sim.get('batch')}" if batch is not None else "")
-            + _slo_mark(sim, case))
+            + (f" at batch {batch}" if batch is not None else "") + mark)
 
 
 def _slo_mark(res: dict, case: ServeCase) -> str:
@@ -422,19 +426,28 @@ NOTES = [
     "best (tp8 bs320: 429.5 GB of KV cache in that memory model).",
     "AIConfigurator's --batch-size is per attention-DP rank per micro-batch (its concurrency "
     "is batch-size x pp); runs before the fix passed shardc's whole replica batch, so "
-    "shardc's Llama-3-70B 8x1 plan (tp4 pp2, 256 sequences) reached it as 256 per "
-    "micro-batch and was refused as OOM -- the mapping's error, not AIConfigurator's.",
+    "shardc's Llama-3-70B 8x1 plan of then (tp4 pp2, 256 sequences) reached it as 256 per "
+    "micro-batch and was refused as OOM -- the mapping's error. With the fix, today's plan "
+    "(tp4 pp2, 384 sequences) reaches it as --pp-size 2 --batch-size 192 and is still "
+    "refused as OOM, for a different reason: AIConfigurator holds ISL + OSL = 4,096 tokens "
+    "of KV per sequence (its estimate of tp4 pp2 --batch-size 128, 256 sequences, is "
+    "60.5 GB per GPU, about 17.6 GB of weights + 42.9 GB of KV; 384 sequences need about "
+    "82 GB), where shardc's paged reservation (3,140 tokens per sequence) puts the plan at "
+    "69.4 GB: the KV reservation rule, not the mapping.",
     "Its vLLM tables lack the MoE shapes of several shardc plans (moe_tp x moe_ep = 2 x 2, "
     "2 x 4 for Mixtral, 2 x 2 for Qwen3-30B-A3B), in SILICON and HYBRID mode alike.",
     "AIConfigurator prices MoE with its power-law routing tables, which at small token "
     "counts are not monotone: for Qwen3-30B-A3B at moe_tp 2 x moe_ep 2 (TRT-LLM "
     "1.3.0rc20) power_law_1.2 reads 0.82 ms at 384 tokens and 0.16 ms at 512 (balanced: "
-    "0.15 ms at both). shardc's Qwen3 decode pool (tp2 ep2, 384 sequences) lands on that "
-    "row: AIConfigurator's static TPOT for it is 57.4 ms, 39.5 ms of it in the MoE, where "
-    "shardc (balanced rows x 1.3 imbalance) predicts 28.8 ms.",
-    "shardc's `simulate --phase serve --batch N` takes N as a cap on the running "
-    "sequences and reports the best batch under both SLOs, so AIConfigurator's max batch is "
-    "the ceiling, not the batch.",
+    "0.15 ms at both). shardc's Qwen3 plan lands in that "
+    "row region: its decode pool (tp2 ep2, 448 sequences, so 448 tokens through the MoE per "
+    "step; 384 in the run of 2026-11-23) gets 47.7 ms TPOT from "
+    "AIConfigurator's disagg estimate where shardc (balanced rows x its uniform-routing "
+    "rank load) predicts 28.4 ms.",
+    "shardc's `simulate --phase serve --batch N` prices exactly N running sequences (since "
+    "`38c6624`; runs before that read N as a cap and reported the best batch below it), so "
+    "the shardc-of-AIC cells are AIConfigurator's max batch priced by shardc, marked where "
+    "they miss an SLO.",
     "The AIC-of-shardc cells use shardc's degrees through the mapping above, which cannot say "
     "shardc's per-op choices (e.g. the sequence-parallel prefill pool of the Llama-3.1-70B "
     "plan): AIConfigurator prices its own kernels for those degrees.",
