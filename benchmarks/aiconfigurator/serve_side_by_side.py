@@ -421,9 +421,12 @@ def markdown(rows: list[dict], versions: dict, revision: str, serve: tuple[bool,
 
 NOTES = [
     "shardc's mixed / decode pools reserve the KV cache a paged engine holds per running "
-    "sequence (ISL + OSL/2 + a preemption margin; plan.json pools' kv_reservation); runs "
-    "before that reserved ISL + OSL, which refused AIConfigurator's Llama-3-70B 8x1 TRT-LLM "
-    "best (tp8 bs320: 429.5 GB of KV cache in that memory model).",
+    "sequence (ISL + OSL/2 + a preemption margin; plan.json pools' kv_reservation), but "
+    "`shardc simulate`'s up-front capacity check (shardc/cost/capacity.py) still counts "
+    "ISL + OSL per sequence in --phase serve, so it refuses AIConfigurator's Llama-3-70B "
+    "8x1 TRT-LLM best (tp8 bs320: 429.5 GB of KV cache) before pricing it; at the pools' "
+    "paged rule (3,140 tokens per sequence) the same batch holds 329.2 GB of KV, 58.8 GB "
+    "per GPU with the weights.",
     "AIConfigurator's --batch-size is per attention-DP rank per micro-batch (its concurrency "
     "is batch-size x pp); runs before the fix passed shardc's whole replica batch, so "
     "shardc's Llama-3-70B 8x1 plan of then (tp4 pp2, 256 sequences) reached it as 256 per "
