@@ -24,13 +24,16 @@ def kv_elems_per_token(graph: Graph) -> float:
 def weight_and_kv_bytes(graph: Graph, workload: Workload, dtype_bytes: float | None = None
                         ) -> tuple[float, float]:
     """(all weight bytes, KV-cache bytes of ``workload.batch`` sequences (1 if auto) at the
-    phase's cache length: context in decode, prompt in prefill; a sliding-window layer holds
+    phase's cache length: context in decode, prompt in prefill, in serve the least a paged
+    engine holds per running sequence on average, ``isl + osl / 2`` (the pools' paged
+    reservation adds a preemption margin: :func:`shardc.cost.scheduler.paged_kv_tokens`;
+    this is a lower bound); a sliding-window layer holds
     at most its window; a linear-attention / Mamba layer its constant state, at the model's
     dtype), in the workload's weight and KV-cache formats."""
     db = float(dtype_bytes or graph.config.get("dtype_bytes", 2) or 2)
     params = sum(o.params for o in graph.global_ops)
     length = {"decode": workload.context, "prefill": workload.prompt,
-              "serve": workload.isl + workload.osl}[workload.phase]
+              "serve": workload.isl + workload.osl / 2}[workload.phase]
     kv_per_seq = 0.0  # KV-cache elements of one sequence
     state_per_seq = 0.0  # recurrent + conv state elements of one sequence
     for k in graph.layer_kinds:
