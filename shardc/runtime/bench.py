@@ -151,7 +151,8 @@ def run_bench(args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
     fast = FastModel(model, mesh, walks, layer_kinds)
     world = dist.get_world_size()
     if args.batch % fast.batch.size:
-        raise SystemExit(f"--batch {args.batch} does not split over dp x ep = {fast.batch.size}")
+        raise ValueError(f"--batch {args.batch} does not split over dp x ep = "
+                         f"{fast.batch.size} ranks")
     rows = args.batch // fast.batch.size
     with torch.no_grad():
         if args.phase == "decode":

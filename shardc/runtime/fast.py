@@ -39,8 +39,10 @@ from shardc.runtime.local_ops import (
     attend,
     linear,
     linear_parts,
+    norm_of,
+    projection_norms,
     repair,
-    rms_norm,
+    repeat_kv_heads,
     rope,
 )
 from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
@@ -80,9 +82,13 @@ class Attention:
         self.walk, self.tp, self.i = walk, tp, i
         self.d = int(attn.head_dim)
         self.hq, self.hkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        if core == "heads" and self.hkv % tp.size:
-            raise NotImplementedError(f"a heads split at tp {tp.size} > {self.hkv} KV heads "
-                                      "(KV heads replicated)")
+        self.split = core == "heads" and tp.size > 1
+        n = tp.size if self.split else 1
+        if self.hkv % n and n % self.hkv:
+            raise NotImplementedError(f"a heads split at tp {n} over {self.hkv} KV heads")
+        # GQA with tp > KV heads: each rank keeps the one KV head its query heads read
+        self.kv_rep = max(n // self.hkv, 1)
+        self.hkv_local = max(self.hkv // n, 1)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
         self.bqkv = [None if p.bias is None else _local(p.bias) for p in projs]
@@ -91,36 +97,38 @@ class Attention:
         self.bo = None if self.bo is None else _local(self.bo)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None and norm.weight.shape[0] != self.d:
-                raise NotImplementedError("q/k norms over the whole projection")
+        # OLMoE: q / k norms over the whole projection (else per head)
+        self.whole_norms = self.q_norm is not None and self.q_norm.weight.shape[0] != self.d
         self.scale = float(attn.scaling)
         self.window = _window(cfg, attn, i)
-        if getattr(cfg, "attn_logit_softcapping", None):
-            raise NotImplementedError("attention logit softcapping")
-        self.split = core == "heads" and tp.size > 1
+        self.softcap = getattr(cfg, "attn_logit_softcapping", None)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
-        n = self.tp.size if self.split else 1
-        cache.add_heads(self.i, _held_rows(rows, self.core_need, self.tp), self.hkv // n, self.d,
-                        window=self.window)
+        cache.add_heads(self.i, _held_rows(rows, self.core_need, self.tp), self.hkv_local,
+                        self.d, window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
         tp = self.tp
         steps_w = self.walk["steps"]
         y = linear_parts(repair(x, residual, steps_w[0][2], tp), self.wqkv, self.bqkv,
                          self.c_qkv, tp)
-        y = repair(y, steps_w[0][3], self.core_need, tp, self.parts)
+        parts = self.parts
+        if self.kv_rep > 1 and steps_w[0][3] != "S(1)":  # whole k / v: repeat the KV heads
+            y, parts = repeat_kv_heads(y, parts, self.d, self.kv_rep)
+        y = repair(y, steps_w[0][3], self.core_need, tp, parts)
         n = tp.size if self.split else 1
-        hq, hkv, d = self.hq // n, self.hkv // n, self.d
+        hq, hkv, d = self.hq // n, self.hkv_local, self.d
         r, s = y.shape[0], y.shape[1]
         q, k, v = y.split([hq * d, hkv * d, hkv * d], -1)
+        if self.whole_norms:
+            q, k = projection_norms(q, k, self.q_norm, self.k_norm, tp if self.split else None,
+                                    self.kv_rep)
         q = q.view(r, s, hq, d).transpose(1, 2)
         k = k.view(r, s, hkv, d).transpose(1, 2)
         v = v.view(r, s, hkv, d).transpose(1, 2)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon)
-            k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon)
+        if self.q_norm is not None and not self.whole_norms:
+            q = norm_of(self.q_norm, q)
+            k = norm_of(self.k_norm, k)
         layer = cache.layers[self.i]
         start = cache.start[layer.rows]
         cos, sin = rope_tables(positions(steps, start))
@@ -130,7 +138,8 @@ class Attention:
             keys, vals, kst = k, v, steps
         else:
             keys, vals, kst = layer.view(upto)
-        o = attend(q, keys, vals, visible(kst, steps, start, self.window), self.scale)
+        o = attend(q, keys, vals, visible(kst, steps, start, self.window), self.scale,
+                   self.softcap)
         (_, _, need, prod) = steps_w[2]
         o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, self.c_out, tp)
         return repair(o, prod, self.walk["end"], tp)
@@ -211,8 +220,14 @@ class Layer:
         cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
         self.attn = cls(attn, kind_walk["attention"], tp, cfg, i)
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        # Gemma-2: the attention / MLP outputs are normed before their residual adds
+        self.post_ff = getattr(layer, "post_feedforward_layernorm", None)
+        self.pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
+        if (self.post_ff is None) != (self.pre_ff is None):
+            raise NotImplementedError("a decoder layer with one of pre / post feed-forward norms")
         extra = {n for n, _ in layer.named_children()} - {
-            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+            "pre_feedforward_layernorm", "post_feedforward_layernorm"}
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
         mlp = layer.mlp
@@ -224,19 +239,21 @@ class Layer:
             raise NotImplementedError("a gated shared expert (Qwen-MoE)")
 
     def __call__(self, h, residual, cache, steps, upto, rope_tables, prefill):
-        x = _norm(self.ln1, h)
-        h = h + self.attn(x, residual, cache, steps, upto, rope_tables, prefill)
-        x = _norm(self.ln2, h)
+        x = norm_of(self.ln1, h)
+        a = self.attn(x, residual, cache, steps, upto, rope_tables, prefill)
+        if self.pre_ff is not None:  # Gemma-2's sandwich norms
+            h = h + norm_of(self.ln2, a)
+            x = norm_of(self.pre_ff, h)
+        else:
+            h = h + a
+            x = norm_of(self.ln2, h)
         if self.experts is None:
-            return h + self.mlp(x, residual)
-        out = self.experts(x, residual)
-        if self.shared is not None:
-            out = out + self.shared(x, residual)
-        return h + out
-
-
-def _norm(module, x):
-    return rms_norm(x, module.weight, module.variance_epsilon)
+            out = self.mlp(x, residual)
+        else:
+            out = self.experts(x, residual)
+            if self.shared is not None:
+                out = out + self.shared(x, residual)
+        return h + (out if self.post_ff is None else norm_of(self.post_ff, out))
 
 
 class FastModel:
@@ -257,10 +274,10 @@ class FastModel:
         self.ep = Group(world_mesh["ep"] if "ep" in names else None)
         self.pp = Group(world_mesh["pp"] if "pp" in names else None)
         self.batch = Group(batch_mesh(world_mesh))
+        # "S(0)": sequence parallel -- the residual stream holds this tp rank's share of
+        # the rows (a decode step's tokens are its rows); the walk's all-gather before a
+        # branch and reduce-scatter after it are the plan's
         self.residual = walks.get("residual", "R")
-        if self.residual != "R":
-            raise NotImplementedError("sequence parallelism (the fast runtime keeps the "
-                                      "residual stream replicated over tp)")
         self.walks = walks
         inner = model.model
         kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
@@ -271,14 +288,16 @@ class FastModel:
         self.last = getattr(model, "lm_head", None) is not None
         if self.first:
             self.embed = _local(inner.embed_tokens.weight)
-            if getattr(inner.embed_tokens, "embed_scale", None) is not None:
-                raise NotImplementedError("a scaled embedding")
+            # Gemma's scaled embedding (a Python float: the buffer is not a parameter)
+            self.embed_scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
+            if self.embed_scale is None and \
+                    getattr(inner.embed_tokens, "embed_scale", None) is not None:
+                raise NotImplementedError("a scaled embedding without its scale as a float")
         if self.last:
             self.norm = inner.norm
             self.head = _local(model.lm_head.weight)
             self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
-            if getattr(cfg, "final_logit_softcapping", None):
-                raise NotImplementedError("final logit softcapping")
+            self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.rotary = inner.rotary_emb
         self.hidden = int(cfg.hidden_size)
         self.dtype = next(p for p in model.parameters()).dtype
@@ -299,7 +318,9 @@ class FastModel:
             layer.experts is None for layer in self.layers.values())
 
     def new_cache(self, rows: int, context: int) -> KVCache:
-        """This rank's KV cache for ``rows`` rows (its dp x ep slice) and ``context`` steps."""
+        """This rank's KV cache for ``rows`` rows (its dp x ep slice) and ``context`` steps.
+        ValueError when sequence parallelism cannot split the rows over tp."""
+        _held_rows(rows, self.residual, self.tp)
         cache = KVCache(rows, context, self.device, self.dtype)
         for layer in self.layers.values():
             layer.attn.alloc(cache, rows)
@@ -323,15 +344,20 @@ class FastModel:
             e = F.embedding(local.clamp(0, w.shape[0] - 1), w) * hit[..., None].to(w.dtype)
         else:
             e = F.embedding(ids, w)
+        if self.embed_scale is not None:  # as HF: the scale cast to the weights' dtype
+            e = e * torch.tensor(self.embed_scale, dtype=w.dtype)
         return repair(e, prod if self.tp else "R", self.residual, self.tp)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         (_, choice, need, prod), = self.walks["lm_head"]["steps"]
-        x = _norm(self.norm, h)
+        x = norm_of(self.norm, h)
         y = linear(repair(x, self.residual, need, self.tp), self.head, self.head_bias, choice,
                    self.tp)
         y = repair(y, prod, "R", self.tp)
-        return y.wait() if hasattr(y, "wait") else y  # the step's output: collective done
+        y = y.wait() if hasattr(y, "wait") else y  # the step's output: collective done
+        if self.final_softcap:
+            y = torch.tanh(y / self.final_softcap) * self.final_softcap
+        return y
 
     def forward(self, ids: torch.Tensor | None, cache: KVCache, steps: torch.Tensor,
                 upto: int, prefill: bool) -> torch.Tensor | None:
@@ -342,8 +368,9 @@ class FastModel:
         if self.first:
             h = self._embed(ids)
         else:
-            h = torch.empty(cache.rows, steps.shape[0], self.hidden, dtype=self.dtype,
-                            device=self.device)
+            rows = _held_rows(cache.rows, self.residual, self.tp)
+            h = torch.empty(rows.stop - rows.start, steps.shape[0], self.hidden,
+                            dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.prev)
         for layer in self.layers.values():
             h = layer(h, self.residual, cache, steps, upto, self.rope_tables, prefill)

@@ -124,6 +124,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+# RMSNorms scaling by ``1 + weight`` in fp32 (Gemma's), by class name
+OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm")
+
+
+def norm_of(module, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s normalisation of ``x`` (replicated weights) as HF computes it: Llama's
+    RMSNorm (``variance_epsilon``), Gemma's ``(1 + weight)`` RMSNorm, ``nn.LayerNorm``."""
+    w = local_tensor(module.weight)
+    if isinstance(module, torch.nn.LayerNorm):
+        return F.layer_norm(x, module.normalized_shape, w, local_tensor(module.bias), module.eps)
+    if type(module).__name__ in OFFSET_RMS_NORMS:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.eps)
+        return (x32 * (1.0 + w.float())).type_as(x)
+    return rms_norm(x, w, module.variance_epsilon)
+
+
+def local_tensor(t):
+    """A DTensor's local shard (a plain tensor or None as is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def projection_norms(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, g: Group | None,
+                     kv_replicas: int):
+    """RMSNorms over the whole q and k projections (OLMoE) of ``q`` / ``k [rows, seq,
+    F_local]``. Split by heads over ``g`` (None: whole rows, plain norms), the two ``[rows,
+    seq, 1]`` fp32 sums of squares are all-reduced over ``g`` together (one collective of
+    both norms' bytes: the row the cost model charges) and each rank scales by its heads'
+    slice of the weights. ``kv_replicas``: ranks holding each k head (KV heads replicated
+    over ``tp / kv_heads`` ranks count each head, and so the width, that many times)."""
+    def eps(m):
+        return getattr(m, "variance_epsilon", None) or m.eps
+
+    wq, wk = local_tensor(q_norm.weight), local_tensor(k_norm.weight)
+    if g is None or not g:
+        return rms_norm(q, wq, eps(q_norm)), rms_norm(k, wk, eps(k_norm))
+    q32, k32 = q.float(), k.float()
+    ss = torch.cat([q32.pow(2).sum(-1, keepdim=True), k32.pow(2).sum(-1, keepdim=True)], -1)
+    ss = funcol.all_reduce(ss, "sum", g.pg)
+    q32 = q32 * torch.rsqrt(ss[..., :1] / (q.shape[-1] * g.size) + eps(q_norm))
+    k32 = k32 * torch.rsqrt(ss[..., 1:] / (k.shape[-1] * g.size) + eps(k_norm))
+    n = g.size // kv_replicas
+    return (wq.chunk(g.size)[g.rank] * q32.to(q.dtype),
+            wk.chunk(n)[g.rank // kv_replicas] * k32.to(k.dtype))
+
+
+def repeat_kv_heads(y: torch.Tensor, parts, head_dim: int, copies: int):
+    """Whole packed ``q|k|v`` features ``y`` with each k / v head repeated ``copies`` times
+    ([h0, h1] -> [h0, h0, h1, h1]: a contiguous tp split then gives each rank the KV head its
+    query heads read); returns ``(y, parts)`` with the widened parts."""
+    q, k, v = y.split(list(parts), -1)
+    k, v = (t.unflatten(-1, (-1, head_dim)).repeat_interleave(copies, -2).flatten(-2)
+            for t in (k, v))
+    return torch.cat([q, k, v], -1), (parts[0], parts[1] * copies, parts[2] * copies)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, -1)
     return torch.cat((-b, a), -1)
@@ -141,10 +197,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, softcap: float | None = None) -> torch.Tensor:
     """SDPA of ``q [rows, hq, s, d]`` over ``k`` / ``v [rows, hkv, n, d]`` (grouped heads)
     under boolean ``mask [rows, 1, s, n]``; returns ``[rows, s, hq * dv]``. Grouped heads
-    are read in place (``enable_gqa``: no copy of the cache per query head)."""
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                       scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    are read in place (``enable_gqa``: no copy of the cache per query head). ``softcap``
+    (Gemma-2's logit softcapping, ``cap * tanh(scores / cap)``): SDPA has none, so the
+    scores are computed explicitly (fp32 softmax, as HF's eager attention)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if softcap:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        o = probs.to(q.dtype) @ v
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=k.shape[1] != q.shape[1])
     return o.transpose(1, 2).flatten(2)
