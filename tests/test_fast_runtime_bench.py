@@ -60,15 +60,16 @@ def test_standalone_bench_prints_one_json_line(standalone):
     assert "predicted_ttft_ms" in pre and "predicted_tpot_ms" not in pre
 
 
-def test_bench_of_an_uncovered_plan_exits_2_with_one_line(standalone, tmp_path):
-    """Sequence parallelism is not run by the fast runtime yet: the bench says so."""
+def test_bench_of_a_batch_that_does_not_split_exits_2_with_one_line(standalone, tmp_path):
+    """--batch 3 over dp = 2 ranks: bad input, one line on stderr, exit 2 (no traceback)."""
     _, config = standalone
     path = tmp_path / "parallelize.py"
-    path.write_text(plan_payload(LLAMA, {"tp": 2, "sp": 2}, DENSE)["code"])
+    path.write_text(plan_payload(LLAMA, {"dp": 2}, DENSE)["code"])
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(path), "--bench", "--config", str(config),
-                          "--batch", "4", "--context", "16", "--steps", "1"],
+                          "--batch", "3", "--context", "16", "--steps", "1"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "parallelize.py --bench: sequence parallelism" in out.stderr
-    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines == ["parallelize.py --bench: --batch 3 does not split over dp x ep = 2 ranks"], \
+        out.stderr[-2000:]
