@@ -12,7 +12,8 @@ collective DTensor (and shardc's runtime styles) issue and records, per call:
   :func:`group_names`; an unknown group is recorded as ``"group:<name>"``);
 * ``bytes``: full-tensor bytes as :mod:`shardc.passes.annotate` and
   :meth:`CostModel.simulate` count them -- all-gather: the output (input x group size);
-  reduce-scatter and all-reduce: the input; all-to-all: this rank's send buffer (input).
+  reduce-scatter and all-reduce: the input; all-to-all: this rank's send buffer (input);
+  ``send`` / ``recv`` (pipeline stages, eager c10d): the tensor sent / received.
 
 Both the functional collectives (``torch.ops._c10d_functional``: DTensor, ``funcol``) and the
 eager c10d ops (``torch.distributed.all_to_all_single`` & co: ``torch.ops.c10d``) are seen.
@@ -43,7 +44,8 @@ for _ns in (_NATIVE, _LEGACY, _AUTOGRAD):
 # call them): op name -> (kind, index of the tensor whose bytes count, index of the group)
 _EAGER = {"alltoall_base_": ("all_to_all", 1, 2), "allreduce_": ("all_reduce", 0, 1),
           "_allgather_base_": ("all_gather", 0, 2),  # the output
-          "_reduce_scatter_base_": ("reduce_scatter", 1, 2)}
+          "_reduce_scatter_base_": ("reduce_scatter", 1, 2),
+          "send": ("send", 0, 1), "recv_": ("recv", 0, 1)}  # pipeline stages: the tensor
 _OTHER_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
 _IGNORED = {"wait_tensor", "wait_tensor_", "_wrap_tensor_autograd", "barrier"}  # no data moved
 

@@ -25,6 +25,7 @@ from test_fast_runtime_bytes import decode_collectives_match
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = str(ROOT / "examples" / "configs" / "olmoe_1b_7b" / "config.json")
 GEMMA2 = str(ROOT / "examples" / "configs" / "gemma2_9b" / "config.json")
+GPT2 = str(ROOT / "examples" / "configs" / "gpt2" / "config.json")
 GEMMA_DENSE = {**DENSE, **{k.replace(D, "dense_block_2"): v for k, v in DENSE.items()
                            if k.startswith(D)}}
 
@@ -33,13 +34,17 @@ CASES = {
     "llama dp2 tp2 sp batch-split attention": (
         LLAMA, {"tp": 2, "sp": 2, "dp": 2}, _with(DENSE, D, **BATCH_ATTN)),
     "gemma2 tp4 KV heads replicated": (GEMMA2, {"tp": 4}, GEMMA_DENSE),
-    "gemma2 tp4 sp row qkv": (GEMMA2, {"tp": 4, "sp": 4},
-                              {**GEMMA_DENSE, f"{D}.qkv": "row", "dense_block_2.qkv": "row"}),
+    "gemma2 tp4 sp row qkv, KV heads replicated": (GEMMA2, {"tp": 4, "sp": 4},
+        {**GEMMA_DENSE, f"{D}.qkv": "row", "dense_block_2.qkv": "row"}),
     "olmoe tp4 whole-projection q/k norms": (OLMOE, {"tp": 4}, MOE),
+    "gpt2 tp4": (GPT2, {"tp": 4}, DENSE),
+    "gpt2 tp2 sp dp2 row qkv, hidden embedding": (
+        GPT2, {"tp": 2, "sp": 2, "dp": 2},
+        _with(DENSE, D, qkv="row", ffn1="row", ffn2="col", embedding="hidden")),
 }
 # KV heads replicated after a row qkv: the reduce-scatter carries the repeated partial sums
 # (docs/backend.md "Known differences"), so that case is checked for numerics only
-BYTES_CHECKED = [n for n in CASES if "row qkv" not in n]
+BYTES_CHECKED = [n for n in CASES if "row qkv, KV heads replicated" not in n]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ CHECKED = ["llama tp4", "llama dp2 tp2 batch-split attention", "mixtral ep2 tp2"
            "deepseek MLA tp4"]
 
 
-def _decode_records(plan, walks, model_file, strategy, label):
+def _decode_records(plan, walks, model_file, strategy, label, rank=0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -40,7 +40,7 @@ def _decode_records(plan, walks, model_file, strategy, label):
     spec = importlib.util.spec_from_loader(f"fast_bytes_{abs(hash(label))}", loader=None)
     code = importlib.util.module_from_spec(spec)
     exec(compile(plan.code(standalone=True), f"<{label} parallelize.py>", "exec"), code.__dict__)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
     try:
         world = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
                                  mesh_dim_names=tuple(code.MESH_DIM_NAMES))
@@ -89,3 +89,44 @@ def decode_collectives_match(name: str, model_file: str, degrees: dict, choices:
 @pytest.mark.parametrize("name", CHECKED)
 def test_decode_step_collectives_are_the_cost_models(name):
     decode_collectives_match(name, *GLOO_CASES[name])
+
+
+def test_pipelined_decode_step_sends_the_cost_models_bytes():
+    """pp = 2 x tp = 2: the first stage's rank issues the embedding's and its layers'
+    collectives and one send of the step's activations to the next stage; the last stage's
+    rank one receive and its layers' and lm_head's collectives. The cost model prices a
+    decode step as ``micro_batches`` (= pp) micro-batches of ``rows / pp`` rotating through
+    the stages (its rows and ``Breakdown.pp_send_bytes``: one micro-batch's); the runtime
+    runs the step's rows as one micro-batch through the stages in turn (as
+    ``predicted.runtime`` prices it, :mod:`shardc.cost.runtime_step`): every collective and
+    the send carry ``micro_batches`` x the charged bytes, issued once."""
+    from shardc.backends.runtime_walks import plan_walks
+    from shardc.cost import CostModel
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
+    from shardc.plan import build_plan
+
+    model_file, degrees, choices = GLOO_CASES["llama pp2 tp2"]
+    graph = load_graph(model_file, tiny=True)
+    strategy = strategy_from_names(degrees, choices, BATCH)
+    plan = build_plan(graph, strategy, Mesh(4, 1), "h100", Workload(batch=BATCH, context=512))
+    walks = plan_walks({str(o["name"]): str(o["choice"]) for o in plan.ops}, strategy.degrees)
+    ex = CostModel(graph, Mesh(4, 1), "h100", Workload(phase="decode", batch=BATCH, context=512),
+                   expert_imbalance=1.0).simulate(strategy)
+    micro = int(ex.totals["micro_batches"])
+    assert micro == 2 and ex.pp_send_bytes > 0
+    send = int(round(micro * ex.pp_send_bytes))
+    (kind,) = graph.layer_kinds
+    per_stage = kind.count // 2
+    rows: dict = {}
+    for k, branch, _before, coll, dim, nbytes, _ms in ex.collectives:
+        n = 1 if k == "global" else per_stage
+        rows.setdefault(branch if k == "global" else "layer", []).extend(
+            [(coll, dim, micro * nbytes, 1)] * n)
+    for rank, end, p2p in ((0, "embedding", ("send", "pp", send)),
+                           (2, "lm_head", ("recv", "pp", send))):
+        got = _decode_records(plan, walks, model_file, strategy, f"pp stage rank {rank}", rank)
+        assert got.count(p2p) == 1, (p2p, sorted(got))
+        got.remove(p2p)
+        assert rows.get(end), end
+        assert_records_match(got, rows["layer"] + rows[end], f"rank {rank}")

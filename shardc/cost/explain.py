@@ -32,6 +32,8 @@ class Breakdown:
     # are per rank (tokens x top_k x hidden x bytes)
     collectives: list[tuple] = field(default_factory=list)
     stage_ms: list[float] = field(default_factory=list)
+    # bytes of one inter-stage send (one micro-batch's activations, per stage boundary)
+    pp_send_bytes: float = 0.0
     totals: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
@@ -150,6 +152,7 @@ def simulate(cm, strategy: Strategy) -> Breakdown:
     tick_ms = _f(r["tick"]) * 1e3
     micro = _f(r["micro"]) if cm.workload.phase == "prefill" else float(pp)
     ex.stage_ms = [float(x) * 1e3 for x in stage_t]
+    ex.pp_send_bytes = _f(r["send_bytes"]) if pp > 1 else 0.0
     ex.totals = dict(bottleneck_stage=bott_t, tick_ms=tick_ms, pp_send_ms=send_ms,
                      micro_batches=micro, **comp)
     act = _f(r["act"])

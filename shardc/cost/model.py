@@ -387,7 +387,7 @@ class CostModel:
         ev = Evaluation(tok_s_per_gpu=tok_s, tpot_ms=tpot * 1e3, ttft_ms=ttft * 1e3,
                         memory_gb_per_gpu=mem_gb, feasible=reason == OK, reason=reason)
         return dict(ev=ev, hard=hard, chunk=chunk, kinds=kinds_out, glob=glob, stage_t=stage_t, stage_m=stage_m,
-                    send=send, tick=tick, micro=micro, act=act, b=b, deg=deg,
+                    send=send, send_bytes=send_bytes, tick=tick, micro=micro, act=act, b=b, deg=deg,
                     layer_time=layer_time, layer_mem=layer_mem)
 
     # ------------------------------------------------------------------ public

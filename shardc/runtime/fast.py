@@ -81,7 +81,8 @@ class Attention:
             raise NotImplementedError(f"attention core {core}")
         self.walk, self.tp, self.i = walk, tp, i
         self.d = int(attn.head_dim)
-        self.hq, self.hkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.hq = int(cfg.num_attention_heads)
+        self.hkv = int(getattr(cfg, "num_key_value_heads", None) or self.hq)
         self.split = core == "heads" and tp.size > 1
         n = tp.size if self.split else 1
         if self.hkv % n and n % self.hkv:
@@ -89,11 +90,17 @@ class Attention:
         # GQA with tp > KV heads: each rank keeps the one KV head its query heads read
         self.kv_rep = max(n // self.hkv, 1)
         self.hkv_local = max(self.hkv // n, 1)
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
-        self.bqkv = [None if p.bias is None else _local(p.bias) for p in projs]
         self.parts = (self.hq * self.d, self.hkv * self.d, self.hkv * self.d)
-        self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
+        if hasattr(attn, "c_attn"):  # GPT-2: packed q|k|v Conv1D weights [in, out]
+            if getattr(attn, "reorder_and_upcast_attn", False):
+                raise NotImplementedError("GPT-2's reorder_and_upcast_attn")
+            self.wqkv, self.bqkv = [_local(attn.c_attn.weight).t()], [_local(attn.c_attn.bias)]
+            self.wo, self.bo = _local(attn.c_proj.weight).t(), attn.c_proj.bias
+        else:
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
+            self.bqkv = [None if p.bias is None else _local(p.bias) for p in projs]
+            self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
         self.bo = None if self.bo is None else _local(self.bo)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
@@ -131,8 +138,9 @@ class Attention:
             k = norm_of(self.k_norm, k)
         layer = cache.layers[self.i]
         start = cache.start[layer.rows]
-        cos, sin = rope_tables(positions(steps, start))
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if rope_tables is not None:  # rotary positions (GPT-2's are learned: embedded)
+            cos, sin = rope_tables(positions(steps, start))
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         layer.write(steps, k, v)
         if prefill:  # from an empty cache: the fresh keys are all there is
             keys, vals, kst = k, v, steps
@@ -212,27 +220,49 @@ class LatentAttention:
         return repair(o, prod, self.walk["end"], tp)
 
 
+class PlainMLP:
+    """GPT-2's MLP (``c_fc`` = ffn1, activation, ``c_proj`` = ffn2; Conv1D weights ``[in,
+    out]``, read transposed in place) on local shards, placed as the walk says."""
+
+    def __init__(self, module, walk: dict, tp: Group):
+        self.steps, self.end, self.tp = walk["steps"], walk["end"], tp
+        self.w1, self.b1 = _local(module.c_fc.weight).t(), _local(module.c_fc.bias)
+        self.w2, self.b2 = _local(module.c_proj.weight).t(), _local(module.c_proj.bias)
+        self.act = module.act
+
+    def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
+        (_, c1, need1, prod1), (_, c2, need2, prod2) = self.steps
+        y = linear(repair(x, residual, need1, self.tp), self.w1, self.b1, c1, self.tp)
+        y = self.act(repair(y, prod1, need2, self.tp))
+        return repair(linear(y, self.w2, self.b2, c2, self.tp), prod2, self.end, self.tp)
+
+
 class Layer:
     """One decoder layer: norms (replicated), attention and the MLP / MoE branches."""
 
     def __init__(self, layer, kind_walk: dict, tp: Group, ep: Group, cfg, i: int):
-        attn = layer.self_attn
+        if hasattr(layer, "ln_1"):  # GPT-2's block: ln_1, attn, ln_2, mlp
+            attn, self.ln1, self.ln2 = layer.attn, layer.ln_1, layer.ln_2
+            names = {"attn", "ln_1", "ln_2", "mlp"}
+        else:
+            attn, self.ln1, self.ln2 = (layer.self_attn, layer.input_layernorm,
+                                        layer.post_attention_layernorm)
+            names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm"}
         cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
         self.attn = cls(attn, kind_walk["attention"], tp, cfg, i)
-        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         # Gemma-2: the attention / MLP outputs are normed before their residual adds
         self.post_ff = getattr(layer, "post_feedforward_layernorm", None)
         self.pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
         if (self.post_ff is None) != (self.pre_ff is None):
             raise NotImplementedError("a decoder layer with one of pre / post feed-forward norms")
-        extra = {n for n, _ in layer.named_children()} - {
-            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
-            "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+        extra = {n for n, _ in layer.named_children()} - names
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
         mlp = layer.mlp
         self.experts = ExpertsLocal(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
-        self.mlp = None if self.experts else DenseMLP(mlp, kind_walk["mlp"], tp)
+        dense = PlainMLP if hasattr(mlp, "c_fc") else DenseMLP
+        self.mlp = None if self.experts else dense(mlp, kind_walk["mlp"], tp)
         self.shared = (DenseMLP(mlp.shared_experts, kind_walk["shared_experts"], tp)
                        if self.experts and "shared_experts" in kind_walk else None)
         if self.experts and hasattr(mlp, "shared_expert"):
@@ -279,26 +309,29 @@ class FastModel:
         # branch and reduce-scatter after it are the plan's
         self.residual = walks.get("residual", "R")
         self.walks = walks
-        inner = model.model
+        gpt2 = hasattr(model, "transformer")  # GPT-2: transformer.{wte, wpe, h, ln_f}
+        inner = model.transformer if gpt2 else model.model
         kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
-        layers = decoder_layers(model)
+        layers = decoder_layers(model, "transformer.h" if gpt2 else "model.layers")
         self.layers = {i: Layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
                        for i in range(len(layers)) if any(True for _ in layers[i].parameters())}
-        self.first = inner.embed_tokens is not None
+        embed = inner.wte if gpt2 else inner.embed_tokens
+        self.first = embed is not None
         self.last = getattr(model, "lm_head", None) is not None
         if self.first:
-            self.embed = _local(inner.embed_tokens.weight)
+            self.embed = _local(embed.weight)
+            # GPT-2's learned positions (replicated), added after the embedding's repair
+            self.positions = _local(inner.wpe.weight) if gpt2 else None
             # Gemma's scaled embedding (a Python float: the buffer is not a parameter)
-            self.embed_scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
-            if self.embed_scale is None and \
-                    getattr(inner.embed_tokens, "embed_scale", None) is not None:
+            self.embed_scale = getattr(embed, "scalar_embed_scale", None)
+            if self.embed_scale is None and getattr(embed, "embed_scale", None) is not None:
                 raise NotImplementedError("a scaled embedding without its scale as a float")
         if self.last:
-            self.norm = inner.norm
+            self.norm = inner.ln_f if gpt2 else inner.norm
             self.head = _local(model.lm_head.weight)
             self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.rotary = inner.rotary_emb
+        self.rotary = getattr(inner, "rotary_emb", None)
         self.hidden = int(cfg.hidden_size)
         self.dtype = next(p for p in model.parameters()).dtype
         self.device = next(p for p in model.parameters()).device
@@ -324,9 +357,10 @@ class FastModel:
         cache = KVCache(rows, context, self.device, self.dtype)
         for layer in self.layers.values():
             layer.attn.alloc(cache, rows)
-        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
-                               torch.arange(context, device=self.device)[None])
-        self._tables = (cos[0], sin[0])
+        if self.rotary is not None:
+            cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
+                                   torch.arange(context, device=self.device)[None])
+            self._tables = (cos[0], sin[0])
         return cache
 
     def rope_tables(self, pos: torch.Tensor):
@@ -334,7 +368,7 @@ class FastModel:
         cos, sin = self._tables
         return cos[pos], sin[pos]
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, cache: KVCache, steps: torch.Tensor) -> torch.Tensor:
         (_, choice, _, prod), = self.walks["embedding"]["steps"]
         w = self.embed
         if choice == "vocab" and self.tp:
@@ -346,7 +380,11 @@ class FastModel:
             e = F.embedding(ids, w)
         if self.embed_scale is not None:  # as HF: the scale cast to the weights' dtype
             e = e * torch.tensor(self.embed_scale, dtype=w.dtype)
-        return repair(e, prod if self.tp else "R", self.residual, self.tp)
+        h = repair(e, prod if self.tp else "R", self.residual, self.tp)
+        if self.positions is not None:  # learned positions of the rows the residual holds
+            start = cache.start[_held_rows(cache.rows, self.residual, self.tp)]
+            h = h + F.embedding(positions(steps, start), self.positions)
+        return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         (_, choice, need, prod), = self.walks["lm_head"]["steps"]
@@ -366,15 +404,16 @@ class FastModel:
         cache slots. Returns the last position's logits ``[rows, 1, vocab]`` on the last
         stage, None elsewhere."""
         if self.first:
-            h = self._embed(ids)
+            h = self._embed(ids, cache, steps)
         else:
             rows = _held_rows(cache.rows, self.residual, self.tp)
             h = torch.empty(rows.stop - rows.start, steps.shape[0], self.hidden,
                             dtype=self.dtype, device=self.device)
-            dist.recv(h, src=self.prev)
+            dist.recv(h, src=self.prev, group=self.pp.pg)
+        tables = self.rope_tables if self.rotary is not None else None
         for layer in self.layers.values():
-            h = layer(h, self.residual, cache, steps, upto, self.rope_tables, prefill)
+            h = layer(h, self.residual, cache, steps, upto, tables, prefill)
         if not self.last:
-            dist.send(h.contiguous(), dst=self.next)
+            dist.send(h.contiguous(), dst=self.next, group=self.pp.pg)
             return None
         return self._logits(h[:, -1:])
