@@ -2,7 +2,9 @@
 benchmark's harness, on one process: a tiny Mistral with ``sliding_window=5`` generating
 well past the window from left-padded prompts gives the unsharded HF model's greedy tokens
 (its own forward, full recompute, HF's sliding-window mask); the ring holds ``window`` slots
-only. And ``benchmarks/gpu/run_gpu_bench.py`` imports and parses its flags on CPU."""
+only. Prefill buckets: the bucket a prompt runs at, the compiled (GPU) path off on CPU, and
+prompts padded further on the left to a bucket give the same tokens. And
+``benchmarks/gpu/run_gpu_bench.py`` imports and parses its flags on CPU."""
 
 from __future__ import annotations
 
@@ -61,6 +63,50 @@ def test_sliding_window_ring_matches_unsharded(one_rank):
     for layer in fast.layers.values():
         layer.attn.window = None
     assert not torch.equal(fast_generate(fast, ids, 12, attention_mask=mask), want)
+
+
+def test_prefill_buckets_pick_the_smallest_that_fits():
+    from shardc.runtime.generate import PREFILL_BUCKETS, pad_left, prefill_bucket
+
+    assert [prefill_bucket(p) for p in (1, 16, 17, 100, 2048, 2049)] == \
+        [16, 16, 32, 128, 2048, 4096]
+    assert prefill_bucket(17, limit=31) == 17  # no bucket fits the cache: the prompt's own
+    assert prefill_bucket(40000) == 40000 > max(PREFILL_BUCKETS)
+    assert prefill_bucket(5, buckets=(8, 4, 6)) == 6
+    ids, start = pad_left(torch.tensor([[0, 7, 8]]), torch.tensor([1]), 5)
+    assert ids.tolist() == [[0, 0, 0, 7, 8]] and start.tolist() == [3]
+
+
+def test_prefill_is_eager_on_cpu_and_buckets_change_no_token(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardc.backends.runtime_walks import plan_walks
+    from shardc.ir.strategy import Degrees
+    from shardc.runtime.fast import FastModel
+    from shardc.runtime.generate import Prefill, fast_generate
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    fast = FastModel(model, mesh, plan_walks(DENSE, Degrees()), {"dense_block": [0, 1]})
+    run = Prefill(fast)
+    if not torch.cuda.is_available():  # the GPU path (torch.compile per bucket) is off
+        assert not run.compiled and run.forward == fast.forward and run.buckets == ()
+        assert run.length(6) == 6
+    ids = torch.randint(1, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    want = reference_greedy(model, ids, mask, 5)
+    got = fast_generate(fast, ids, 5, attention_mask=mask, prefill_buckets=(4, 8, 16))
+    assert torch.equal(got, want), (got[:, 6:], want[:, 6:])
+    bucketed = Prefill(fast, buckets=(4, 8, 16))
+    cache = fast.new_cache(2, 13)
+    bucketed(cache, ids, torch.tensor([0, 3]), limit=8)
+    assert cache.filled == 8 and cache.start.tolist() == [2, 5]  # padded to the 8 bucket
 
 
 def test_gpu_benchmark_parses_and_refuses_without_gpu(capsys):

@@ -12,6 +12,13 @@ filled steps rounded up to ``graph_block``), so one graph serves ``graph_block``
 Plans whose step reads split sizes on the host (ep > 1, MoE dispatch) or sends between
 pipeline stages run the step eagerly. On CPU every step runs eagerly over exactly the
 filled slots.
+
+Prefill on a GPU is compiled (``torch.compile``, static shapes) once per prompt bucket: the
+left-padded prompts are padded further on the left to the smallest of
+:data:`PREFILL_BUCKETS` that holds them (:func:`prefill_bucket`; more padding changes no
+token: positions count from each row's first real token and padding is masked), so a few
+compiled graphs serve every prompt length. On CPU prefill runs eagerly at the prompt's own
+length (``prefill_buckets=...`` pads to buckets there too, eagerly).
 """
 
 from __future__ import annotations
@@ -85,6 +92,61 @@ class DecodeGraphs:
         return out
 
 
+# prompt lengths a compiled prefill runs at (tokens per sequence)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def prefill_bucket(prompt: int, limit: int | None = None, buckets=PREFILL_BUCKETS) -> int:
+    """The prompt length prefill runs at: the smallest bucket ``>= prompt`` (and ``<=
+    limit``, the cache steps the prompt may fill), else ``prompt`` itself (no bucket fits)."""
+    for b in sorted(buckets):
+        if prompt <= b and (limit is None or b <= limit):
+            return int(b)
+    return int(prompt)
+
+
+def pad_left(ids: torch.Tensor, start: torch.Tensor, length: int):
+    """``ids [rows, P]`` left-padded (id 0) to ``length`` steps; each row's first real step
+    ``start`` moved by the padding added."""
+    extra = int(length) - ids.shape[1]
+    if extra <= 0:
+        return ids, start
+    return torch.cat([ids.new_zeros(ids.shape[0], extra), ids], 1), start + extra
+
+
+class Prefill:
+    """The prefill pass of one :class:`FastModel`: on a GPU (``torch.cuda.is_available()``
+    and the model on it) ``FastModel.forward`` compiled with static shapes, one graph per
+    prompt bucket; elsewhere eager. ``buckets``: the prompt lengths it pads to (default
+    :data:`PREFILL_BUCKETS` when compiled, none when eager)."""
+
+    def __init__(self, fast: FastModel, buckets=None, compile: bool | None = None):
+        gpu = torch.cuda.is_available() and fast.device.type == "cuda"
+        self.compiled = gpu if compile is None else bool(compile) and gpu
+        self.buckets = tuple(buckets) if buckets is not None else (
+            PREFILL_BUCKETS if self.compiled else ())
+        self.fast = fast
+        self.forward = torch.compile(fast.forward, dynamic=False) if self.compiled \
+            else fast.forward
+
+    def length(self, prompt: int, limit: int | None = None) -> int:
+        """The steps a prompt of ``prompt`` tokens fills (its bucket, or itself)."""
+        return prefill_bucket(prompt, limit, self.buckets) if self.buckets else int(prompt)
+
+    def __call__(self, cache: KVCache, ids: torch.Tensor, start: torch.Tensor,
+                 limit: int | None = None):
+        """Write the prompts ``ids [rows, P]`` (rows starting at ``start``), padded on the
+        left to their bucket (at most ``limit`` steps, default the cache's), into an emptied
+        cache; the last stage's logits of the last position."""
+        limit = cache.context if limit is None else limit
+        ids, start = pad_left(ids, start, self.length(ids.shape[1], limit))
+        cache.reset(start)
+        steps = torch.arange(ids.shape[1], device=ids.device)
+        out = self.forward(ids, cache, steps, ids.shape[1], True)
+        cache.advance(ids.shape[1])
+        return out
+
+
 def decode_step(fast: FastModel, cache: KVCache, ids: torch.Tensor, graphs=None):
     """One decode step: ``ids [rows, 1]`` written at the next step; last-stage logits."""
     if graphs is not None:
@@ -92,16 +154,6 @@ def decode_step(fast: FastModel, cache: KVCache, ids: torch.Tensor, graphs=None)
     else:
         out = fast.forward(ids, cache, cache.step.reshape(1), cache.filled + 1, False)
     cache.advance(1)
-    return out
-
-
-def prefill(fast: FastModel, cache: KVCache, ids: torch.Tensor, start: torch.Tensor):
-    """Write the prompts ``ids [rows, P]`` (rows starting at ``start``) into an emptied
-    cache; the last stage's logits of the last position."""
-    cache.reset(start)
-    steps = torch.arange(ids.shape[1], device=ids.device)
-    out = fast.forward(ids, cache, steps, ids.shape[1], True)
-    cache.advance(ids.shape[1])
     return out
 
 
@@ -117,11 +169,13 @@ def _share_tokens(fast: FastModel, tok: torch.Tensor | None, rows: int, device):
 def fast_generate(fast: FastModel, input_ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
              top_k: int | None = None, seed: int = 0, context: int | None = None,
-             cuda_graph: bool | None = None, graph_block: int = 256) -> torch.Tensor:
+             cuda_graph: bool | None = None, graph_block: int = 256,
+             prefill_buckets=None) -> torch.Tensor:
     """``input_ids [batch, P]`` (left padded per ``attention_mask``) followed by
     ``max_new_tokens`` generated tokens, ``[batch, P + max_new_tokens]``, on every rank.
-    ``context``: the cache's steps (default ``P + max_new_tokens``); ``cuda_graph``:
-    capture the decode step (default: on a GPU when the plan allows it)."""
+    ``context``: the cache's steps (default: the prompt's bucket + ``max_new_tokens``);
+    ``cuda_graph``: capture the decode step (default: on a GPU when the plan allows it);
+    ``prefill_buckets``: prompt lengths prefill pads to (default: :class:`Prefill`'s)."""
     batch, prompt = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     start = left_padding(mask)
@@ -131,9 +185,10 @@ def fast_generate(fast: FastModel, input_ids: torch.Tensor, max_new_tokens: int,
     ids = input_ids.chunk(g.size, 0)[g.rank]
     start = start.chunk(g.size, 0)[g.rank]
     rows = ids.shape[0]
-    context = int(context or prompt + max_new_tokens)
-    if context < prompt + max_new_tokens:
+    if context is not None and int(context) < prompt + max_new_tokens:
         raise ValueError(f"context {context} < prompt {prompt} + {max_new_tokens} new tokens")
+    run_prefill = Prefill(fast, prefill_buckets)
+    context = int(context or run_prefill.length(prompt) + max_new_tokens)
     cache = fast.new_cache(rows, context)
     gen = None
     if temperature > 0:
@@ -144,7 +199,7 @@ def fast_generate(fast: FastModel, input_ids: torch.Tensor, max_new_tokens: int,
         use_graph = use_graph and cuda_graph
     graphs = DecodeGraphs(fast, cache, graph_block) if use_graph else None
     with torch.no_grad():
-        logits = prefill(fast, cache, ids, start)
+        logits = run_prefill(cache, ids, start, context - max_new_tokens)
         tok = _share_tokens(fast, None if logits is None else pick(logits, temperature, top_k,
                                                                    gen), rows, ids.device)
         out = [tok]
