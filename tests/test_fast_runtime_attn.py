@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_backend_gloo import DENSE, LLAMA, MOE, D, _with
+from test_backend_gloo import DEEPSEEK, DENSE, DS_MEGATRON, LLAMA, MOE, D, M, _with
 from test_fast_runtime import BATCH_ATTN, plan_payload
 from test_fast_runtime_bytes import decode_collectives_match
 
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = str(ROOT / "examples" / "configs" / "olmoe_1b_7b" / "config.json")
 GEMMA2 = str(ROOT / "examples" / "configs" / "gemma2_9b" / "config.json")
+DS_DENSE = str(ROOT / "tests" / "data" / "tiny_deepseek_dense.py")
 GPT2 = str(ROOT / "examples" / "configs" / "gpt2" / "config.json")
 GEMMA_DENSE = {**DENSE, **{k.replace(D, "dense_block_2"): v for k, v in DENSE.items()
                            if k.startswith(D)}}
@@ -37,6 +38,10 @@ CASES = {
     "gemma2 tp4 sp row qkv, KV heads replicated": (GEMMA2, {"tp": 4, "sp": 4},
         {**GEMMA_DENSE, f"{D}.qkv": "row", "dense_block_2.qkv": "row"}),
     "olmoe tp4 whole-projection q/k norms": (OLMOE, {"tp": 4}, MOE),
+    "deepseek MLA tp4 rep qkv, heads split": (
+        DEEPSEEK, {"tp": 4}, {**DS_MEGATRON, f"{D}.qkv": "rep", f"{M}.qkv": "rep"}),
+    "deepseek (dense) MLA dp2 tp2 sp batch-split attention": (
+        DS_DENSE, {"tp": 2, "dp": 2, "sp": 2}, _with(DENSE, D, **BATCH_ATTN)),
     "gpt2 tp4": (GPT2, {"tp": 4}, DENSE),
     "gpt2 tp2 sp dp2 row qkv, hidden embedding": (
         GPT2, {"tp": 2, "sp": 2, "dp": 2},

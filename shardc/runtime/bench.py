@@ -222,20 +222,29 @@ def bench_main(argv, parallelize, walks, layer_kinds, mesh_shape, dim_names,
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
 
+        import multiprocessing
+
+        refused = multiprocessing.get_context("fork").Value("i", 0)  # a rank's exit code
+
         def entry(a, _args=args):
-            _run(_args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
-                 predicted)
+            try:
+                _run(_args, parallelize, walks, layer_kinds, mesh_shape, dim_names,
+                     predicted)
+            except SystemExit as e:  # refused (rank 0 said why): every rank ends cleanly,
+                refused.value = e.code if isinstance(e.code, int) else 1  # the parent exits
 
         if world == 1:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
                               WORLD_SIZE="1", LOCAL_RANK="0")
             entry(argv)
-            return
-        try:
-            mp.start_processes(_spawned, args=(world, port, argv, entry), nprocs=world,
-                               start_method="fork")
-        except mp.ProcessExitedException as e:  # a rank said why (one line) and exited
-            raise SystemExit(e.exit_code or 1) from None
+        else:
+            try:
+                mp.start_processes(_spawned, args=(world, port, argv, entry), nprocs=world,
+                                   start_method="fork")
+            except mp.ProcessExitedException as e:  # a rank crashed
+                raise SystemExit(e.exit_code or 1) from None
+        if refused.value:
+            raise SystemExit(refused.value)
         return
     _run(args, parallelize, walks, layer_kinds, mesh_shape, dim_names, predicted)
 

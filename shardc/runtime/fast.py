@@ -163,15 +163,22 @@ class LatentAttention:
     def __init__(self, attn, walk: dict, tp: Group, cfg, i: int):
         (_, self.c_qkv, _, _), (_, core, self.core_need, _), (_, self.c_out, _, _) = \
             walk["steps"]
-        pairs = {("col", "heads"), ("rep", "batch"), ("rep", "rep")}
+        pairs = {("col", "heads"), ("rep", "heads"), ("rep", "batch"), ("rep", "rep")}
         if (self.c_qkv, core) not in pairs:
             raise NotImplementedError(f"MLA qkv {self.c_qkv} with attention core {core}")
+        self.x_need = walk["steps"][0][2]  # where the down projections read their input
+        if self.x_need != "R" and core == "heads":  # rows to heads: the latents all-gathered
+            raise NotImplementedError("MLA qkv rep before a heads split under sequence "
+                                      "parallelism")
         self.walk, self.tp, self.i, self.attn = walk, tp, i, attn
         self.nope, self.rope_d = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
         self.vd, self.lora = int(cfg.v_head_dim), int(cfg.kv_lora_rank)
         wkv = _local(attn.kv_b_proj.weight)
         self.heads = wkv.shape[0] // (self.nope + self.vd)
         wkv = wkv.view(self.heads, self.nope + self.vd, self.lora)
+        if self.c_qkv == "rep" and core == "heads" and tp:  # whole weights: this rank's heads
+            self.heads //= tp.size
+            wkv = wkv[tp.rank * self.heads:(tp.rank + 1) * self.heads]
         self.w_uk, self.w_uv = wkv[:, :self.nope], wkv[:, self.nope:]
         self.q_lora = getattr(attn, "q_lora_rank", None)
         self.wq = _local((attn.q_b_proj if self.q_lora else attn.q_proj).weight)
@@ -193,8 +200,12 @@ class LatentAttention:
         ckv = a.kv_a_proj_with_mqa(x)
         lat, k_rot = ckv.split([self.lora, self.rope_d], -1)
         lat = a.kv_a_layernorm(lat)
-        rows = _held_rows(x.shape[0], self.core_need, tp)  # R -> S(0): a local slice
-        q, lat, k_rot = q[rows], lat[rows], k_rot[rows]
+        # q to the core's placement (R -> S(0) rows or S(1) heads: a local slice); the
+        # replicated latents to the core's rows
+        q = repair(q, self.walk["steps"][0][3], self.core_need, tp)
+        if self.core_need == "S(0)" and self.x_need == "R":
+            rows = _held_rows(x.shape[0], "S(0)", tp)
+            lat, k_rot = lat[rows], k_rot[rows]
         r, s = q.shape[0], q.shape[1]
         q = q.view(r, s, self.heads, self.nope + self.rope_d).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_d], -1)
