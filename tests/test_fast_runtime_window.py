@@ -109,6 +109,36 @@ def test_prefill_is_eager_on_cpu_and_buckets_change_no_token(one_rank):
     assert cache.filled == 8 and cache.start.tolist() == [2, 5]  # padded to the 8 bucket
 
 
+def test_granite_multipliers_match_unsharded(one_rank):
+    """Granite scales the embedding, each branch before its residual add and the logits
+    (``embedding_multiplier``, ``residual_multiplier``, ``logits_scaling``; attention by
+    ``attention_multiplier``): the runtime's greedy tokens are the HF model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from shardc.backends.runtime_walks import plan_walks
+    from shardc.ir.strategy import Degrees
+    from shardc.runtime.fast import FastModel
+    from shardc.runtime.generate import fast_generate
+
+    cfg = GraniteConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, embedding_multiplier=6.0,
+                        residual_multiplier=0.3, logits_scaling=4.0, attention_multiplier=0.1)
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(cfg).eval()
+    ids = torch.randint(1, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    want = reference_greedy(model, ids, mask, 8)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    fast = FastModel(model, mesh, plan_walks(DENSE, Degrees()), {"dense_block": [0, 1]})
+    assert torch.equal(fast_generate(fast, ids, 8, attention_mask=mask), want)
+    for layer in fast.layers.values():  # the multipliers matter here (the test can fail)
+        layer.res_mult = 1.0
+    assert not torch.equal(fast_generate(fast, ids, 8, attention_mask=mask), want)
+
+
 def test_gpu_benchmark_parses_and_refuses_without_gpu(capsys):
     spec = importlib.util.spec_from_file_location(
         "run_gpu_bench", ROOT / "benchmarks" / "gpu" / "run_gpu_bench.py")

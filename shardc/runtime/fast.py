@@ -260,8 +260,12 @@ class Layer:
                                         layer.post_attention_layernorm)
             names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "kv_a_proj_with_mqa")):
+            raise NotImplementedError(f"attention module {type(attn).__name__}")
         cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
         self.attn = cls(attn, kind_walk["attention"], tp, cfg, i)
+        # Granite: the branches' outputs scaled before their residual adds
+        self.res_mult = float(getattr(layer, "residual_multiplier", 1.0) or 1.0)
         # Gemma-2: the attention / MLP outputs are normed before their residual adds
         self.post_ff = getattr(layer, "post_feedforward_layernorm", None)
         self.pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
@@ -273,6 +277,8 @@ class Layer:
         mlp = layer.mlp
         self.experts = ExpertsLocal(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
         dense = PlainMLP if hasattr(mlp, "c_fc") else DenseMLP
+        if not self.experts and not any(hasattr(mlp, a) for a in ("c_fc", "gate_proj")):
+            raise NotImplementedError(f"MLP module {type(mlp).__name__}")
         self.mlp = None if self.experts else dense(mlp, kind_walk["mlp"], tp)
         self.shared = (DenseMLP(mlp.shared_experts, kind_walk["shared_experts"], tp)
                        if self.experts and "shared_experts" in kind_walk else None)
@@ -286,7 +292,7 @@ class Layer:
             h = h + norm_of(self.ln2, a)
             x = norm_of(self.pre_ff, h)
         else:
-            h = h + a
+            h = h + (a if self.res_mult == 1.0 else a * self.res_mult)
             x = norm_of(self.ln2, h)
         if self.experts is None:
             out = self.mlp(x, residual)
@@ -294,7 +300,9 @@ class Layer:
             out = self.experts(x, residual)
             if self.shared is not None:
                 out = out + self.shared(x, residual)
-        return h + (out if self.post_ff is None else norm_of(self.post_ff, out))
+        if self.post_ff is not None:
+            out = norm_of(self.post_ff, out)
+        return h + (out if self.res_mult == 1.0 else out * self.res_mult)
 
 
 class FastModel:
@@ -337,12 +345,17 @@ class FastModel:
             self.embed_scale = getattr(embed, "scalar_embed_scale", None)
             if self.embed_scale is None and getattr(embed, "embed_scale", None) is not None:
                 raise NotImplementedError("a scaled embedding without its scale as a float")
+            # Granite's embedding multiplier (a Python float, as HF multiplies by it)
+            self.embed_mult = float(getattr(inner, "embedding_multiplier", 1.0) or 1.0)
         if self.last:
             self.norm = inner.ln_f if gpt2 else inner.norm
             self.head = _local(model.lm_head.weight)
             self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+            self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)  # Granite
         self.rotary = getattr(inner, "rotary_emb", None)
+        if self.rotary is not None and hasattr(self.rotary, "layer_types"):
+            raise NotImplementedError("rotary tables per layer type (Gemma-3)")
         self.hidden = int(cfg.hidden_size)
         self.dtype = next(p for p in model.parameters()).dtype
         self.device = next(p for p in model.parameters()).device
@@ -391,6 +404,8 @@ class FastModel:
             e = F.embedding(ids, w)
         if self.embed_scale is not None:  # as HF: the scale cast to the weights' dtype
             e = e * torch.tensor(self.embed_scale, dtype=w.dtype)
+        if self.embed_mult != 1.0:
+            e = e * self.embed_mult
         h = repair(e, prod if self.tp else "R", self.residual, self.tp)
         if self.positions is not None:  # learned positions of the rows the residual holds
             start = cache.start[_held_rows(cache.rows, self.residual, self.tp)]
@@ -404,6 +419,8 @@ class FastModel:
                    self.tp)
         y = repair(y, prod, "R", self.tp)
         y = y.wait() if hasattr(y, "wait") else y  # the step's output: collective done
+        if self.logits_scaling != 1.0:
+            y = y / self.logits_scaling
         if self.final_softcap:
             y = torch.tanh(y / self.final_softcap) * self.final_softcap
         return y
