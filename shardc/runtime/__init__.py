@@ -40,7 +40,7 @@ from shardc.runtime.styles import (
 
 # inlined in this order by ``--standalone`` (the fast runtime after the styles it runs on)
 SOURCES = ("styles.py", "router.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py",
-           "moe_local.py", "fast.py", "generate.py", "bench.py")
+           "moe_local.py", "mla_local.py", "fast.py", "generate.py", "bench.py")
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention", "ExpertParallel",

@@ -45,6 +45,7 @@ from shardc.runtime.local_ops import (
     repeat_kv_heads,
     rope,
 )
+from shardc.runtime.mla_local import RowLatentAttention
 from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
 
 
@@ -262,8 +263,12 @@ class Layer:
                      "pre_feedforward_layernorm", "post_feedforward_layernorm"}
         if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "kv_a_proj_with_mqa")):
             raise NotImplementedError(f"attention module {type(attn).__name__}")
-        cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
-        self.attn = cls(attn, kind_walk["attention"], tp, cfg, i)
+        walk = kind_walk["attention"]
+        if hasattr(attn, "kv_a_proj_with_mqa") and walk["steps"][0][1] == "row":
+            self.attn = RowLatentAttention(attn, walk, tp, cfg, i, _window(cfg, attn, i))
+        else:
+            cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
+            self.attn = cls(attn, walk, tp, cfg, i)
         # Granite: the branches' outputs scaled before their residual adds
         self.res_mult = float(getattr(layer, "residual_multiplier", 1.0) or 1.0)
         # Gemma-2: the attention / MLP outputs are normed before their residual adds

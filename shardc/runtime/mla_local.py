@@ -1,0 +1,102 @@
+"""DeepSeek MLA after a ``row`` qkv, on local shards (torch only).
+
+``row`` splits the up projections' low-rank input (``q_b_proj`` over ``q_lora_rank``, or
+``q_proj`` over the hidden size without a q low-rank projection; ``kv_b_proj`` over
+``kv_lora_rank``): each tp rank multiplies its slice of the replicated latents by its
+weight slice, giving partial sums of every head's ``q`` and ``k_nope | v``. Those partial
+sums are the qkv output the walk repairs (``P -> S(1)`` reduce-scatter for a heads split,
+``P -> S(0)`` for a batch split, ``P -> R`` all-reduce for a replicated core), packed as
+``[q | kv]`` in one collective of the bytes the cost model charges. The attention then
+runs per head, not absorbed (the latent cache would need every head's whole ``kv_b_proj``
+rows, which ``row`` splits): keys ``k_nope | k_rope`` (the shared rope key broadcast over
+heads) and values are cached per head, like Llama-style attention's (``value_dim =
+v_head_dim``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardc.runtime.kv_cache import KVCache, positions, visible
+from shardc.runtime.local_ops import (
+    Group,
+    attend,
+    linear,
+    local_features,
+    local_tensor,
+    repair,
+    rope,
+)
+
+
+def _rows(n: int, placement: str, tp: Group) -> slice:
+    """The rows (of ``n``) an activation at ``placement`` holds on this tp rank."""
+    if placement != "S(0)" or not tp:
+        return slice(0, n)
+    if n % tp.size:
+        raise ValueError(f"{n} rows do not split over tp = {tp.size}")
+    k = n // tp.size
+    return slice(tp.rank * k, (tp.rank + 1) * k)
+
+
+class RowLatentAttention:
+    """MLA of one layer after a ``row`` qkv (module docstring); ``window``: its sliding
+    window (tokens) or None."""
+
+    def __init__(self, attn, walk: dict, tp: Group, cfg, i: int, window):
+        (_, _, self.x_need, self.qkv_out), (_, core, self.core_need, _), _ = walk["steps"]
+        self.walk, self.tp, self.i, self.attn, self.window = walk, tp, i, attn, window
+        self.nope, self.rope_d = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
+        self.vd, self.lora = int(cfg.v_head_dim), int(cfg.kv_lora_rank)
+        self.heads = int(cfg.num_attention_heads)
+        self.q_lora = getattr(attn, "q_lora_rank", None)
+        self.wq = local_tensor((attn.q_b_proj if self.q_lora else attn.q_proj).weight)
+        self.wkv = local_tensor(attn.kv_b_proj.weight)
+        self.wo, self.bo = local_tensor(attn.o_proj.weight), local_tensor(attn.o_proj.bias)
+        self.scale = float(attn.scaling)
+        self.interleave = bool(getattr(cfg, "rope_interleave", False))
+        self.parts = (self.heads * (self.nope + self.rope_d), self.heads * (self.nope + self.vd))
+        self.local_heads = self.heads // tp.size if core == "heads" and tp else self.heads
+
+    def alloc(self, cache: KVCache, rows: int) -> None:
+        cache.add_heads(self.i, _rows(rows, self.core_need, self.tp), self.local_heads,
+                        self.nope + self.rope_d, value_dim=self.vd, window=self.window)
+
+    def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
+        a, tp = self.attn, self.tp
+        # the down projections are replicated and read whole hidden vectors: from R the
+        # walk's R -> S(1) is the free slice of the latents below; under sequence
+        # parallelism the rows are all-gathered (where the walk charges an all-to-all)
+        x = repair(x, residual, "R", tp)
+        qin = a.q_a_layernorm(a.q_a_proj(x)) if self.q_lora else x
+        ckv = a.kv_a_proj_with_mqa(x)
+        lat, k_rot = ckv.split([self.lora, self.rope_d], -1)
+        lat = a.kv_a_layernorm(lat)
+        part = torch.cat([linear(local_features(qin, None, tp), self.wq, None, "row", tp),
+                          linear(local_features(lat, None, tp), self.wkv, None, "row", tp)], -1)
+        y = repair(part, self.qkv_out, self.core_need, tp, self.parts)
+        rows = _rows(x.shape[0], self.core_need, tp)
+        k_rot = k_rot[rows]
+        r, s, h = y.shape[0], y.shape[1], self.local_heads
+        q, kv = y.split([h * (self.nope + self.rope_d), h * (self.nope + self.vd)], -1)
+        q = q.view(r, s, h, self.nope + self.rope_d).transpose(1, 2)
+        kv = kv.view(r, s, h, self.nope + self.vd).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope_d], -1)
+        k_nope, v = kv.split([self.nope, self.vd], -1)
+        layer = cache.layers[self.i]
+        start = cache.start[layer.rows]
+        cos, sin = rope_tables(positions(steps, start))
+        q_rot = rope(q_rot, cos, sin, self.interleave)
+        k_rot = rope(k_rot[:, None], cos, sin, self.interleave).expand(r, h, s, self.rope_d)
+        q = torch.cat([q_nope, q_rot], -1)
+        k = torch.cat([k_nope, k_rot], -1)
+        layer.write(steps, k, v)
+        if prefill:
+            keys, vals, kst = k, v, steps
+        else:
+            keys, vals, kst = layer.view(upto)
+        o = attend(q, keys, vals, visible(kst, steps, start, self.window), self.scale)
+        (_, c_out, need, prod) = self.walk["steps"][2]
+        o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, c_out, tp)
+        return repair(o, prod, self.walk["end"], tp)
+
