@@ -3,10 +3,14 @@ placed (DTensor shards, or plain tensors for replicated ops) run as a small per-
 forward over the *local* shards, with the plan's repairs as explicit functional
 collectives and a :class:`shardc.runtime.kv_cache.KVCache` it owns.
 
-Families: Llama-style attention (GQA, q/k/v biases, Qwen3's per-head q/k norms, sliding
-windows), DeepSeek-V2/V3 MLA (absorbed: attention runs in the latent space, the cache holds
-the latent), gated MLPs, sparse MoE blocks with HF stacked experts (Mixtral, Qwen3-MoE,
-DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`).
+Families: Llama-style attention (GQA -- KV heads replicated when tp exceeds them --, q/k/v
+biases, Qwen3's per-head and OLMoE's whole-projection q/k norms, sliding windows, Gemma-2's
+softcapping, scaled embedding and sandwich norms, Granite's multipliers), GPT-2 (packed
+Conv1D q|k|v, learned positions, layer norms, a plain MLP), DeepSeek-V2/V3 MLA (absorbed:
+attention runs in the latent space, the cache holds the latent; after a ``row`` qkv per head,
+:mod:`shardc.runtime.mla_local`), gated MLPs, sparse MoE blocks with HF stacked experts
+(Mixtral, Qwen3-MoE, DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`).
+Sequence parallelism: the residual ``S(0)`` holds this tp rank's rows.
 
 What runs is the plan's walk, as data (``walks``, written into ``parallelize.py`` from the
 contract's :func:`shardc.ir.contract.walk`)::
