@@ -6,7 +6,7 @@ squares in one all-reduce), Gemma-2 (scaled embedding, sandwich norms, attention
 logit softcapping, alternating sliding windows; tiny Gemma-2 has 2 KV heads, so tp = 4
 replicates them), MLA after a replicated qkv (a heads split; a batch split under sequence
 parallelism, on a DeepSeek of dense layers only) and after a ``row`` qkv (heads split, batch
-split; sequence parallel), GPT-2 (packed q|k|v Conv1D weights,
+split; sequence parallel) or a ``col`` qkv before a batch-split or replicated core, GPT-2 (packed q|k|v Conv1D weights,
 learned positions, layer norms) and pipeline stages with GPT-2 or sequence parallelism
 (numerics only; ``test_fast_runtime_bytes`` compares a pp plan's stages).
 
@@ -49,6 +49,10 @@ CASES = {
     "deepseek (dense) MLA dp2 tp2 row qkv, batch-split attention": (
         DS_DENSE, {"tp": 2, "dp": 2}, _with(DENSE, D, qkv="row", attn_core="batch",
                                             out_proj="col")),
+    "deepseek (dense) MLA dp2 tp2 col qkv, batch-split attention": (
+        DS_DENSE, {"tp": 2, "dp": 2}, _with(DENSE, D, attn_core="batch", out_proj="col")),
+    "deepseek (dense) MLA tp4 sp col qkv, replicated core": (
+        DS_DENSE, {"tp": 4, "sp": 4}, _with(DENSE, D, attn_core="rep")),
     "deepseek (dense) MLA tp4 sp row qkv": (
         DS_DENSE, {"tp": 4, "sp": 4}, _with(DENSE, D, qkv="row")),
     "deepseek (dense) MLA dp2 tp2 sp batch-split attention": (

@@ -7,7 +7,8 @@ Families: Llama-style attention (GQA -- KV heads replicated when tp exceeds them
 biases, Qwen3's per-head and OLMoE's whole-projection q/k norms, sliding windows, Gemma-2's
 softcapping, scaled embedding and sandwich norms, Granite's multipliers), GPT-2 (packed
 Conv1D q|k|v, learned positions, layer norms, a plain MLP), DeepSeek-V2/V3 MLA (absorbed:
-attention runs in the latent space, the cache holds the latent; after a ``row`` qkv per head,
+attention runs in the latent space, the cache holds the latent; per head after a ``row``
+qkv or a ``col`` one before a batch split,
 :mod:`shardc.runtime.mla_local`), gated MLPs, sparse MoE blocks with HF stacked experts
 (Mixtral, Qwen3-MoE, DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`).
 Sequence parallelism: the residual ``S(0)`` holds this tp rank's rows.
@@ -49,7 +50,7 @@ from shardc.runtime.local_ops import (
     repeat_kv_heads,
     rope,
 )
-from shardc.runtime.mla_local import RowLatentAttention
+from shardc.runtime.mla_local import PerHeadLatentAttention
 from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
 
 
@@ -268,8 +269,10 @@ class Layer:
         if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "kv_a_proj_with_mqa")):
             raise NotImplementedError(f"attention module {type(attn).__name__}")
         walk = kind_walk["attention"]
-        if hasattr(attn, "kv_a_proj_with_mqa") and walk["steps"][0][1] == "row":
-            self.attn = RowLatentAttention(attn, walk, tp, cfg, i, _window(cfg, attn, i))
+        per_head = walk["steps"][0][1] == "row" or (walk["steps"][0][1] == "col"
+                                                    and walk["steps"][1][1] != "heads")
+        if hasattr(attn, "kv_a_proj_with_mqa") and per_head:
+            self.attn = PerHeadLatentAttention(attn, walk, tp, cfg, i, _window(cfg, attn, i))
         else:
             cls = LatentAttention if hasattr(attn, "kv_a_proj_with_mqa") else Attention
             self.attn = cls(attn, walk, tp, cfg, i)

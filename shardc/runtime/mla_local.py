@@ -1,16 +1,18 @@
-"""DeepSeek MLA after a ``row`` qkv, on local shards (torch only).
+"""DeepSeek MLA after a ``row`` qkv, or a ``col`` qkv before a batch-split or replicated
+core, on local shards (torch only).
 
 ``row`` splits the up projections' low-rank input (``q_b_proj`` over ``q_lora_rank``, or
 ``q_proj`` over the hidden size without a q low-rank projection; ``kv_b_proj`` over
 ``kv_lora_rank``): each tp rank multiplies its slice of the replicated latents by its
-weight slice, giving partial sums of every head's ``q`` and ``k_nope | v``. Those partial
-sums are the qkv output the walk repairs (``P -> S(1)`` reduce-scatter for a heads split,
-``P -> S(0)`` for a batch split, ``P -> R`` all-reduce for a replicated core), packed as
-``[q | kv]`` in one collective of the bytes the cost model charges. The attention then
-runs per head, not absorbed (the latent cache would need every head's whole ``kv_b_proj``
-rows, which ``row`` splits): keys ``k_nope | k_rope`` (the shared rope key broadcast over
-heads) and values are cached per head, like Llama-style attention's (``value_dim =
-v_head_dim``).
+weight slice, giving partial sums of every head's ``q`` and ``k_nope | v``; ``col`` splits
+them by heads: each rank computes its heads' ``q`` and ``k_nope | v`` from the whole
+latents. That output is the qkv output the walk repairs to the core (``P -> S(1)``
+reduce-scatter for a heads split, ``P`` / ``S(1) -> S(0)`` for a batch split, ``-> R`` for a
+replicated core), packed as ``[q | kv]`` in one collective of the bytes the cost model
+charges. The attention then runs per head, not absorbed (the latent cache would need every
+head's whole ``kv_b_proj`` rows, which these choices split): keys ``k_nope | k_rope`` (the
+shared rope key broadcast over heads) and values are cached per head, like Llama-style
+attention's (``value_dim = v_head_dim``).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ def _rows(n: int, placement: str, tp: Group) -> slice:
     return slice(tp.rank * k, (tp.rank + 1) * k)
 
 
-class RowLatentAttention:
-    """MLA of one layer after a ``row`` qkv (module docstring); ``window``: its sliding
-    window (tokens) or None."""
+class PerHeadLatentAttention:
+    """MLA of one layer after a ``row`` qkv, or a ``col`` qkv before a core other than a
+    heads split (module docstring); ``window``: its sliding window (tokens) or None."""
 
     def __init__(self, attn, walk: dict, tp: Group, cfg, i: int, window):
-        (_, _, self.x_need, self.qkv_out), (_, core, self.core_need, _), _ = walk["steps"]
+        (_, self.c_qkv, _, self.qkv_out), (_, core, self.core_need, _), _ = walk["steps"]
+        if self.c_qkv not in ("row", "col"):
+            raise NotImplementedError(f"per-head MLA after a {self.c_qkv} qkv")
         self.walk, self.tp, self.i, self.attn, self.window = walk, tp, i, attn, window
         self.nope, self.rope_d = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
         self.vd, self.lora = int(cfg.v_head_dim), int(cfg.kv_lora_rank)
@@ -56,6 +60,9 @@ class RowLatentAttention:
         self.scale = float(attn.scaling)
         self.interleave = bool(getattr(cfg, "rope_interleave", False))
         self.parts = (self.heads * (self.nope + self.rope_d), self.heads * (self.nope + self.vd))
+        # row: this rank's slice of the latents; col: the whole latents, its heads' weights
+        self.slice_in = (lambda t: local_features(t, None, tp)) if self.c_qkv == "row" \
+            else (lambda t: t)
         self.local_heads = self.heads // tp.size if core == "heads" and tp else self.heads
 
     def alloc(self, cache: KVCache, rows: int) -> None:
@@ -65,15 +72,16 @@ class RowLatentAttention:
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
         a, tp = self.attn, self.tp
         # the down projections are replicated and read whole hidden vectors: from R the
-        # walk's R -> S(1) is the free slice of the latents below; under sequence
-        # parallelism the rows are all-gathered (where the walk charges an all-to-all)
+        # walk's R -> S(1) of a row qkv is the free slice of the latents below; under
+        # sequence parallelism the rows are all-gathered (charged for col; for row the walk
+        # charges an all-to-all)
         x = repair(x, residual, "R", tp)
         qin = a.q_a_layernorm(a.q_a_proj(x)) if self.q_lora else x
         ckv = a.kv_a_proj_with_mqa(x)
         lat, k_rot = ckv.split([self.lora, self.rope_d], -1)
         lat = a.kv_a_layernorm(lat)
-        part = torch.cat([linear(local_features(qin, None, tp), self.wq, None, "row", tp),
-                          linear(local_features(lat, None, tp), self.wkv, None, "row", tp)], -1)
+        part = torch.cat([linear(self.slice_in(qin), self.wq, None, self.c_qkv, tp),
+                          linear(self.slice_in(lat), self.wkv, None, self.c_qkv, tp)], -1)
         y = repair(part, self.qkv_out, self.core_need, tp, self.parts)
         rows = _rows(x.shape[0], self.core_need, tp)
         k_rot = k_rot[rows]
