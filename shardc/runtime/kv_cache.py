@@ -7,7 +7,9 @@ plan's context, holding only what this rank attends over:
   (``attn_core batch``): its rows; a replicated one: everything; only the layers of this
   rank's pipeline stage;
 * MLA (DeepSeek-V2/V3): the latent cache, ``[rows, slots, kv_lora_rank]`` plus the shared
-  rope key ``[rows, slots, qk_rope_head_dim]`` (no per-head keys / values);
+  rope key ``[rows, slots, qk_rope_head_dim]`` (no per-head keys / values); after a ``row``
+  qkv (or a ``col`` one before a batch split) per-head ``k_nope | k_rope`` keys and values
+  (:mod:`shardc.runtime.mla_local`);
 * a sliding-window layer: ``min(context, window)`` slots used as a ring.
 
 Time is counted in *steps*: the prompt (left padded to one length ``P``) fills steps
