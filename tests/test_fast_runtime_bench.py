@@ -73,3 +73,24 @@ def test_bench_of_a_batch_that_does_not_split_exits_2_with_one_line(standalone, 
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert lines == ["parallelize.py --bench: --batch 3 does not split over dp x ep = 2 ranks"], \
         out.stderr[-2000:]
+
+
+def test_inlined_runtime_modules_define_distinct_names():
+    """``--standalone`` pastes the runtime modules into one namespace: a top-level name
+    defined by two of them would silently replace the other's."""
+    import ast
+    from collections import defaultdict
+
+    from shardc.runtime import PIPELINE_SOURCES, SOURCES
+
+    defined = defaultdict(list)
+    for name in SOURCES + PIPELINE_SOURCES:
+        tree = ast.parse((ROOT / "shardc" / "runtime" / name).read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined[node.name].append(name)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        defined[t.id].append(name)
+    assert {k: v for k, v in defined.items() if len(v) > 1 and k != "__all__"} == {}

@@ -31,7 +31,7 @@ from shardc.runtime.local_ops import (
 )
 
 
-def _rows(n: int, placement: str, tp: Group) -> slice:
+def _core_rows(n: int, placement: str, tp: Group) -> slice:
     """The rows (of ``n``) an activation at ``placement`` holds on this tp rank."""
     if placement != "S(0)" or not tp:
         return slice(0, n)
@@ -66,7 +66,7 @@ class PerHeadLatentAttention:
         self.local_heads = self.heads // tp.size if core == "heads" and tp else self.heads
 
     def alloc(self, cache: KVCache, rows: int) -> None:
-        cache.add_heads(self.i, _rows(rows, self.core_need, self.tp), self.local_heads,
+        cache.add_heads(self.i, _core_rows(rows, self.core_need, self.tp), self.local_heads,
                         self.nope + self.rope_d, value_dim=self.vd, window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
@@ -83,7 +83,7 @@ class PerHeadLatentAttention:
         part = torch.cat([linear(self.slice_in(qin), self.wq, None, self.c_qkv, tp),
                           linear(self.slice_in(lat), self.wkv, None, self.c_qkv, tp)], -1)
         y = repair(part, self.qkv_out, self.core_need, tp, self.parts)
-        rows = _rows(x.shape[0], self.core_need, tp)
+        rows = _core_rows(x.shape[0], self.core_need, tp)
         k_rot = k_rot[rows]
         r, s, h = y.shape[0], y.shape[1], self.local_heads
         q, kv = y.split([h * (self.nope + self.rope_d), h * (self.nope + self.vd)], -1)
