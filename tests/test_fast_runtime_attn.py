@@ -53,6 +53,8 @@ CASES = {
         DS_DENSE, {"tp": 2, "dp": 2}, _with(DENSE, D, attn_core="batch", out_proj="col")),
     "deepseek (dense) MLA tp4 sp col qkv, replicated core": (
         DS_DENSE, {"tp": 4, "sp": 4}, _with(DENSE, D, attn_core="rep")),
+    "deepseek (dense) MLA tp4 row qkv, replicated core": (
+        DS_DENSE, {"tp": 4}, _with(DENSE, D, qkv="row", attn_core="rep")),
     "deepseek (dense) MLA tp4 sp row qkv": (
         DS_DENSE, {"tp": 4, "sp": 4}, _with(DENSE, D, qkv="row")),
     "deepseek (dense) MLA dp2 tp2 sp batch-split attention": (
