@@ -151,8 +151,8 @@ def test_a_heads_split_needs_tp_to_divide_the_recurrent_layers_own_heads():
     import copy
 
     from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload
     from shardc.ir.space import StrategySpace
+    from shardc.ir.strategy import Mesh, Workload
 
     g = copy.deepcopy(load_graph(CONFIGS / "qwen3_next_80b_a3b" / "config.json"))
     space = StrategySpace(g, Mesh(8, 1), Workload(context=4096))

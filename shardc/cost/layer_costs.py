@@ -31,12 +31,12 @@ from shardc.cost.roofline import compute_time, gemm_flop_efficiency, kernel_time
 from shardc.cost.topology import CommGroup
 from shardc.ir.contract import (
     MODE_EXPONENTS,
-    REPLICATED as REPLICATED_MODE,
     SHARD_BOTH,
     SHARD_OUT,
     TOKEN_SPLIT,
     kv_head_replicas,
 )
+from shardc.ir.contract import REPLICATED as REPLICATED_MODE
 from shardc.ir.graph import FusedOp
 from shardc.ir.recurrent import is_recurrent, state_elems_per_sequence
 from shardc.ir.windows import attended_positions, causal_pairs, op_window
