@@ -41,7 +41,7 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "parallelize_module": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
 _RUNTIME_NAMES = ("BatchSplitAttention", "CoreRowsAttention", "ExpertParallel",
-                  "FullWidthNormParallel", "GroupedKVAttention",
+                  "FullWidthNormParallel", "GatheredExperts", "GroupedKVAttention",
                   "HeadParallelAttention", "PrepareHiddenStates",
                   "ReplicateParallel", "RouterParallel",
                   "WeightColwiseParallel", "WeightRowwiseParallel",

@@ -34,6 +34,8 @@ def plan_walks(choices: dict[str, str], degrees: Degrees) -> dict:
             start, end = branch_ends(branch, res)
             w = walk(ops, [index(f"{kind}.{op}", op) for op in ops], start, end)
             branches[branch] = {"steps": _steps(w), "end": end}
+            if branch == "experts" and degrees.experts_resplit:  # the all-gather dispatch
+                branches[branch]["gather"] = "tp" if degrees.moe_ep == 1 else "ep"
     out = {"residual": res, "kinds": kinds}
     for op in ("embedding", "lm_head"):
         start, end = branch_ends(op, res)

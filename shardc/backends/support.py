@@ -209,14 +209,16 @@ def torch_style_verdict(verdict: dict, plans, graph) -> dict:
 
 
 def experts_split_problem(degrees) -> str | None:
-    """Why the DTensor backend cannot run these degrees (None: it can): the experts split
-    other than (tp, ep) -- moe_tp x moe_ep, the all-gather dispatch -- is priced and
-    launched by the engines but not run by ``parallelize.py`` / the runtime yet."""
-    if not degrees.experts_resplit:
+    """Why the DTensor backend cannot run these degrees (None: it can): of the experts
+    splits other than (tp, ep) -- moe_tp x moe_ep, the all-gather dispatch -- the backend
+    runs the all-TP (moe_tp = tp x ep) and all-EP (moe_ep = tp x ep) ones
+    (:mod:`shardc.runtime.gathered_experts`); another is priced and launched by the engines
+    but not run by ``parallelize.py`` / the runtime."""
+    if not degrees.experts_resplit or 1 in (degrees.moe_tp, degrees.moe_ep):
         return None
     return (f"the experts split moe_tp={degrees.moe_tp} x moe_ep={degrees.moe_ep} over "
             f"tp={degrees.tp} x dp_attn={degrees.ep} is not implemented in parallelize.py / "
-            "the runtime (they run the experts at the attention tp: moe_tp = tp)")
+            "the runtime (they run moe_tp = tp x dp_attn or moe_ep = tp x dp_attn)")
 
 
 def plan_verdict(verdict: dict, strategies) -> dict:

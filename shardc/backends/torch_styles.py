@@ -248,13 +248,14 @@ def _global_modules(rows: list[dict]) -> dict[str, str]:
 
 def style_plan(plan) -> StylePlan:
     """The :class:`StylePlan` of a :class:`shardc.plan.Plan` (raises :class:`NotCovered`)."""
+    from shardc.backends.gathered_styles import gathered_entry
     from shardc.backends.layout import rows_with_ops
 
     st = plan.strategy()
     deg = st.degrees
-    if deg.experts_resplit:
+    if deg.experts_resplit and 1 not in (deg.moe_tp, deg.moe_ep):
         raise NotCovered(f"the experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep} "
-                         "(the runtime runs experts at the attention tp)")
+                         "(the runtime runs moe_tp = tp x dp_attn or moe_ep = tp x dp_attn)")
     rows = rows_with_ops(plan.params)
     res = residual_placement(deg)
     tp = deg.tp
@@ -289,7 +290,9 @@ def style_plan(plan) -> StylePlan:
                 _branch_entries(kp, branch, w, lm, res)
         if "expert_ffn1" in lm.ops:
             any_experts = True
-            kp.experts = _experts_entry(str(kind), lm, choice, deg, res)
+            kp.experts = (gathered_entry(str(kind), lm, choice, deg)
+                          if deg.experts_resplit else
+                          _experts_entry(str(kind), lm, choice, deg, res))
         seen = [e.suffix for e in kp.entries]
         if len(set(seen)) != len(seen):  # a dict literal keeps one style per module
             raise NotCovered(f"{kind}: two styles on one module {seen}")

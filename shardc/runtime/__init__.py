@@ -22,6 +22,7 @@ from shardc.runtime.apply import (
 from shardc.runtime.bench import bench_main
 from shardc.runtime.experts import ExpertParallel
 from shardc.runtime.fast import FastModel
+from shardc.runtime.gathered_experts import GatheredExperts
 from shardc.runtime.generate import fast_generate
 from shardc.runtime.kv_cache import KVCache
 from shardc.runtime.pipeline import keep_stage, pipeline
@@ -40,13 +41,15 @@ from shardc.runtime.styles import (
 
 # inlined in this order by ``--standalone`` (the fast runtime after the styles it runs on)
 SOURCES = ("styles.py", "router.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py",
-           "moe_local.py", "mla_local.py", "fast.py", "generate.py", "bench.py")
+           "moe_local.py", "mla_local.py", "gathered_experts.py", "fast.py", "generate.py",
+           "bench.py")
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages
 
-__all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention", "ExpertParallel",
-           "FastModel", "FullWidthNormParallel", "GroupedKVAttention", "HeadParallelAttention",
-           "KVCache", "PIPELINE_SOURCES", "PrepareHiddenStates", "PrepareModuleInput",
-           "Replicate", "ReplicateParallel", "RouterParallel", "RowwiseParallel",
-           "SOURCES", "Shard", "WeightColwiseParallel", "WeightRowwiseParallel",
-           "apply_plan", "bench_main", "decoder_layers", "fast_generate", "install_batch_split",
-           "keep_stage", "make_mesh", "parallelize_module", "pipeline", "submesh"]
+__all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention",
+           "ExpertParallel", "FastModel", "FullWidthNormParallel", "GatheredExperts",
+           "GroupedKVAttention", "HeadParallelAttention", "KVCache", "PIPELINE_SOURCES",
+           "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
+           "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
+           "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan", "bench_main",
+           "decoder_layers", "fast_generate", "install_batch_split", "keep_stage",
+           "make_mesh", "parallelize_module", "pipeline", "submesh"]

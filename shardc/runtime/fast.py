@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardc.runtime.apply import batch_mesh, decoder_layers
+from shardc.runtime.gathered_experts import GatheredExpertsLocal
 from shardc.runtime.kv_cache import KVCache, positions, visible
 from shardc.runtime.local_ops import (
     Group,
@@ -287,7 +288,9 @@ class Layer:
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
         mlp = layer.mlp
-        self.experts = ExpertsLocal(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
+        experts = GatheredExpertsLocal if "gather" in kind_walk.get("experts", {}) \
+            else ExpertsLocal  # the experts split their own way: the all-gather dispatch
+        self.experts = experts(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
         dense = PlainMLP if hasattr(mlp, "c_fc") else DenseMLP
         if not self.experts and not any(hasattr(mlp, a) for a in ("c_fc", "gate_proj")):
             raise NotImplementedError(f"MLP module {type(mlp).__name__}")

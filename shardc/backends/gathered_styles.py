@@ -1,0 +1,57 @@
+"""The experts entry of a layer whose experts are split ``moe_tp x moe_ep`` other than
+(tp, ep) (:class:`shardc.ir.strategy.Degrees`): one
+:class:`~shardc.runtime.gathered_experts.GatheredExperts` style on the sparse-MoE block
+(the experts' parent module), applied on the ep x tp mesh -- the all-gather dispatch the
+cost model charges (:func:`shardc.cost.moe_dispatch.gather_exchange`). Covered: all-TP
+(``moe_tp = tp x ep``) and all-EP (``moe_ep = tp x ep``) splits of HF stacked experts
+(``[E, out, in]``, one weight per matmul, expert dim 0), column / row experts and a
+replicated router, no shared experts beside them (else
+:class:`~shardc.backends.torch_styles.NotCovered`)."""
+
+from __future__ import annotations
+
+from shardc.backends.emit_text import _literal
+from shardc.ir.contract import CHOICE_NAMES
+
+
+def gathered_entry(kind: str, lm, choice, deg):
+    """The :class:`~shardc.backends.torch_styles.Entry` of a re-split layer ``lm`` (its
+    :class:`~shardc.backends.torch_styles.LayerModules`); ``choice(op)`` the op's choice
+    index."""
+    from shardc.backends.torch_styles import Entry, NotCovered
+
+    split = "tp" if deg.moe_ep == 1 else "ep" if deg.moe_tp == 1 else None
+    if split is None:
+        raise NotCovered(f"{kind}: the experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}")
+    names = tuple(CHOICE_NAMES[op][choice(op)] for op in ("expert_ffn1", "expert_ffn2"))
+    if names != ("col", "row") or CHOICE_NAMES["router"][choice("router")] != "rep":
+        raise NotCovered(f"{kind}: re-split experts {'/'.join(names)} (covered: col/row "
+                         "experts after a replicated router)")
+    if "shared_ffn1" in lm.ops or "ffn1" in lm.ops:
+        raise NotCovered(f"{kind}: re-split experts beside a shared expert / dense MLP")
+    mods = lm.ops["expert_ffn1"] + [m for m in lm.ops.get("expert_ffn2", [])
+                                    if m not in lm.ops["expert_ffn1"]]
+    first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
+    second = [(n, r) for _, n, r in lm.params_of("expert_ffn2") if len(r["shape"]) == 3]
+    if len(mods) != 1 or "." not in mods[0] or len(first) != 1 or len(second) != 1 or \
+            len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != 2:
+        raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul "
+                         "under a sparse-MoE block, no biases, is covered")
+    (n1, r1), (n2, r2) = first[0], second[0]
+    if r1.get("expert_dim") != 0 or r2.get("expert_dim") != 0 or \
+            [r1["split_dims"], r2["split_dims"]] != [[1, 2], [1, 2]]:
+        raise NotCovered(f"{kind}: re-split experts stored other than HF's [E, out, in]")
+    parts = tuple(int(w) for w in r1.get("parts", ()))
+    if parts and len(set(parts)) == 1:
+        parts = (len(parts),)
+    block, child = mods[0].rsplit(".", 1)
+    weights = f"{{{_literal(str(n1))}: (1, {parts!r}), {_literal(str(n2))}: (2, ())}}"
+    style = (f"GatheredExperts(experts={_literal(child)}, weights={weights}, "
+             f"split={split!r})")
+    group = deg.tp * deg.ep
+    what = (f"experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}: "
+            + (f"every expert at 1/{group} of its width" if split == "tp" else
+               f"{group} ways by expert")
+            + f"; all_gather of the tokens over ep={deg.ep}, reduce_scatter over ep"
+            + (f", all_reduce over tp={deg.tp}" if deg.tp > 1 else "") + " after the block")
+    return Entry(block, style, what)

@@ -1,0 +1,193 @@
+"""Routed experts split their own way over the attention ranks (torch only; inlined by
+``shardc compile --standalone`` after :mod:`shardc.runtime.moe_local`): the all-gather
+dispatch of attention data parallelism (``dp_attn`` = the ep mesh dim) with the experts
+split ``moe_tp x moe_ep`` over the tp x ep ranks other than (tp, ep)
+(:class:`shardc.ir.strategy.Degrees`; docs/deploy.md, "Attention data parallel").
+
+Two splits run, each rank holding a ``1 / (tp x ep)`` share of every expert layer:
+
+* ``"tp"`` (``moe_tp = tp x ep``): every rank holds all ``E`` experts at ``1 / (tp x ep)``
+  of their ffn width (the first matmul's output features, the second's input features, cut
+  over ep then tp: placements ``Shard(d)`` on both mesh dims; packed gate|up interleaved per
+  rank);
+* ``"ep"`` (``moe_ep = tp x ep``): every rank holds ``E / (tp x ep)`` whole experts (the
+  expert dim cut over ep then tp).
+
+The MoE block (router + experts) then runs as the engines run it and the cost model charges
+it (:func:`shardc.cost.moe_dispatch.gather_exchange`): the block's input ``[rows, seq, h]``
+(replicated over tp) is all-gathered over ep (``rows x ep`` rows on every rank), the router
+picks the experts of every gathered token, this rank's expert slices compute partial sums
+(the ``"tp"`` split: a slice of every expert's width; ``"ep"``: the rank's own experts,
+the other experts' rows contribute nothing), the block's output is reduce-scattered over ep
+(each ep rank gets its ``rows`` back, summed over the ep ranks) and all-reduced over tp.
+Three collectives per MoE layer, nothing else: no count exchange, no uneven split sizes.
+
+:class:`GatheredExperts` is the ParallelStyle (``parallelize.py``: DTensor parameters, the
+model's own router and experts forward); :class:`GatheredExpertsLocal` the fast runtime's
+block on the local shards (:mod:`shardc.runtime.fast`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from shardc.runtime.local_ops import Group
+from shardc.runtime.styles import interleave
+
+SPLITS = ("tp", "ep")
+
+
+def _groups(device_mesh):
+    """(ep group or None, tp group or None, this rank's index among the ep x tp ranks, their
+    count) of the experts' mesh (dims among ``ep`` / ``tp``, ep outer)."""
+    names = tuple(device_mesh.mesh_dim_names)
+    groups = {d: device_mesh.get_group(d) if device_mesh.size(names.index(d)) > 1 else None
+              for d in ("ep", "tp") if d in names}
+    index, count = 0, 1
+    for i, d in enumerate(names):  # row-major over the mesh dims: ep outer, tp inner
+        index = index * device_mesh.size(i) + device_mesh.get_local_rank(d)
+        count *= device_mesh.size(i)
+    return groups.get("ep"), groups.get("tp"), index, count
+
+
+class GatheredExperts(ParallelStyle):
+    """The all-gather dispatch on an HF sparse-MoE block (its ``forward(hidden [b, s, h])``
+    runs the router then ``experts(tokens, top_k_index, top_k_weights)``), applied to the
+    block on the ep x tp mesh (module docstring). ``experts``: the experts child's name;
+    ``weights``: each stacked weight's name -> (the dim the ``"tp"`` split cuts, the widths
+    of the parts it packs along it, or a count); ``split``: ``"tp"`` or ``"ep"``; the expert
+    dim is 0."""
+
+    def __init__(self, *, experts: str = "experts", weights=None, split: str = "tp"):
+        super().__init__()
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} is not one of {SPLITS}")
+        self.experts, self.split = experts, split
+        self.weights = dict(weights or {"gate_up_proj": (1, (2,)), "down_proj": (2, ())})
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        experts = module.get_submodule(self.experts)
+        ep_group, tp_group, index, count = _groups(device_mesh)
+        for name, (dim, parts) in self.weights.items():
+            full = getattr(experts, name).detach()
+            cut = dim if self.split == "tp" else 0
+            if self.split == "tp" and parts and count > 1:  # each rank: [gate_r | up_r]
+                full = interleave(full, dim, parts if len(parts) > 1 else parts[0], count)
+            dt = distribute_tensor(full, device_mesh, [Shard(cut)] * device_mesh.ndim,
+                                   src_data_rank=self.src_data_rank)
+            experts.register_parameter(name, nn.Parameter(dt, requires_grad=False))
+        names = tuple(self.weights)
+        forward_local = experts.forward  # the model's own expert maths
+        total = int(getattr(experts, names[0]).shape[0])
+        local = total // count if self.split == "ep" else total
+        first = index * local if self.split == "ep" else 0
+
+        def experts_forward(hidden, top_k_index, top_k_weights):
+            if self.split == "ep":  # other ranks' experts -> the sentinel HF skips
+                mine = (top_k_index >= first) & (top_k_index < first + local)
+                top_k_index = torch.where(mine, top_k_index - first, local)
+                top_k_weights = top_k_weights * mine.to(top_k_weights.dtype)
+            saved = {n: experts._parameters[n] for n in names}
+            num = getattr(experts, "num_experts", None)
+            try:
+                for n in names:
+                    experts._parameters[n] = nn.Parameter(saved[n].to_local(),
+                                                          requires_grad=False)
+                if num is not None:
+                    experts.num_experts = local
+                return forward_local(hidden, top_k_index, top_k_weights)
+            finally:
+                experts._parameters.update(saved)
+                if num is not None:
+                    experts.num_experts = num
+
+        experts.forward = experts_forward
+        block_forward = module.forward
+
+        def forward(hidden_states, *args, **kwargs):
+            x = hidden_states
+            if ep_group is not None:  # every ep rank's rows (its attention group's tokens)
+                n = dist.get_world_size(ep_group)
+                gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))
+                dist.all_gather_into_tensor(gathered, x.contiguous(), group=ep_group)
+                x = gathered
+            out = block_forward(x, *args, **kwargs)  # partial sums over the ep x tp ranks
+            y = out[0] if isinstance(out, tuple) else out
+            if ep_group is not None:
+                mine = y.new_empty((y.shape[0] // dist.get_world_size(ep_group), *y.shape[1:]))
+                dist.reduce_scatter_tensor(mine, y.contiguous(), group=ep_group)
+                y = mine
+            if tp_group is not None:
+                dist.all_reduce(y, group=tp_group)
+            return (y, *out[1:]) if isinstance(out, tuple) else y
+
+        module.forward = forward
+        return module
+
+
+class GatheredExpertsLocal:
+    """The fast runtime's MoE block under the all-gather dispatch (module docstring), on the
+    local shards :class:`GatheredExperts` placed: the HF router module picks the experts of
+    the gathered tokens, the experts run as HF gated experts (``gate_up [E_local, 2f_local,
+    h]``, this rank's gate slice then up slice; ``down [E_local, h, f_local]``), and the
+    collectives are functional (``all_gather`` / ``reduce_scatter`` over ep, ``all_reduce``
+    over tp)."""
+
+    def __init__(self, mlp, walk: dict, tp: Group, ep: Group):
+        steps = walk["experts"]["steps"]
+        if tuple(s[1] for s in steps) != ("col", "row"):
+            raise NotImplementedError("the all-gather dispatch runs col/row experts")
+        if walk["router"]["steps"][0][1] != "rep":
+            raise NotImplementedError("a sharded router (the fast runtime runs rep routers)")
+        self.split = walk["experts"]["gather"]
+        self.tp, self.ep = tp, ep
+        self.router = mlp.gate
+        experts = mlp.experts
+        self.gate_up = experts.gate_up_proj
+        self.down = experts.down_proj
+        self.gate_up, self.down = (t.to_local() if hasattr(t, "to_local") else t
+                                   for t in (self.gate_up, self.down))
+        self.act = experts.act_fn
+        self.num_experts = int(self.router.weight.shape[0])
+        self.local_experts = int(self.gate_up.shape[0])
+        self.first = ((ep.rank * tp.size + tp.rank) * self.local_experts
+                      if self.split == "ep" else 0)
+
+    def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
+        if residual != "R":
+            raise NotImplementedError("the all-gather dispatch needs a replicated residual")
+        if self.ep:
+            x = funcol.all_gather_tensor(x.contiguous(), 0, self.ep.pg)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        _, weights, idx = self.router(x2)
+        t, k = idx.shape
+        local = idx.reshape(-1) - self.first
+        keep = (local >= 0) & (local < self.local_experts)
+        pair = torch.nonzero(keep).squeeze(1)
+        expert = local[pair]
+        order = torch.argsort(expert, stable=True)
+        pair = pair[order]
+        counts = torch.bincount(expert, minlength=self.local_experts).tolist()
+        rows = x2[pair // k]
+        out, i = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                g, u = F.linear(rows[i:i + n], self.gate_up[e]).chunk(2, -1)
+                out.append(F.linear(self.act(g) * u, self.down[e]))
+            i += n
+        y = torch.cat(out, 0) if out else rows.new_zeros(0, shape[-1])
+        scaled = y * weights.reshape(-1)[pair, None].to(y.dtype)
+        y = x2.new_zeros(t, shape[-1]).index_add_(0, pair // k, scaled.to(x2.dtype))
+        y = y.view(shape)  # partial sums over the ep x tp ranks
+        if self.ep:
+            y = funcol.reduce_scatter_tensor(y.contiguous(), "sum", 0, self.ep.pg)
+        if self.tp:
+            y = funcol.all_reduce(y, "sum", self.tp.pg)
+        return y
