@@ -189,13 +189,17 @@ def test_which_engine_expresses_which_split(engine, tp, ep, mt, me, dense, ok):
     assert experts_split_ok(engine, tp, ep, mt, me, dense) is ok
 
 
-def test_backend_gate_says_the_runtime_does_not_run_a_resplit():
+def test_backend_gate_runs_the_all_tp_and_all_ep_splits_only():
+    """parallelize.py / the runtime run moe_tp = tp x ep and moe_ep = tp x ep (the
+    all-gather dispatch, :mod:`shardc.runtime.gathered_experts`); another split is refused."""
     from shardc.backends.support import experts_split_problem, plan_verdict
 
-    deg = Degrees(ep=8, moe_tp=8)
-    assert experts_split_problem(Degrees(ep=8)) is None
+    for deg in (Degrees(ep=8), Degrees(ep=8, moe_tp=8), Degrees(tp=2, ep=4, moe_tp=8),
+                Degrees(tp=2, ep=4, moe_ep=8)):
+        assert experts_split_problem(deg) is None, deg
+    deg = Degrees(tp=8, moe_tp=2, moe_ep=4)
     v = plan_verdict({"runs": True, "reason": None}, [Strategy(deg, 8, {})])
-    assert v["runs"] is False and "moe_tp=8 x moe_ep=1" in v["reason"]
+    assert v["runs"] is False and "moe_tp=2 x moe_ep=4" in v["reason"]
 
 
 # ------------------------------------------------------------------ published numbers
@@ -265,14 +269,16 @@ def test_simulate_refuses_a_split_in_one_line(model, args, words, monkeypatch, c
 def test_compile_writes_the_split_into_plan_json(tmp_path, capsys):
     """The tiny Mixtral at dp_attn=4, moe_tp=4: plan.json's degrees carry the split, the
     expert weights are cut over ep and tp by their column / row dims (1/4 of each expert per
-    rank), the gate says the runtime does not run it, and no parallelize.py is written."""
+    rank), the backend runs it and parallelize.py applies the gathered experts style."""
     out = tmp_path / "o"
     assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "50",
                  "--degrees", "dp_attn=4,moe_tp=4", "--out", str(out)]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["degrees"]["moe_tp"] == 4 and plan["degrees"]["moe_ep"] == 1
-    assert plan["backend"]["runs"] is False and "moe_tp=4" in plan["backend"]["reason"]
-    assert not (out / "parallelize.py").exists()
+    assert plan["backend"] == {"runs": True, "reason": None}
+    code = (out / "parallelize.py").read_text()
+    assert "GatheredExperts(experts='experts'" in code and "split='tp'" in code
+    assert "ExpertParallel(" not in code
     rows = [r for r in plan["params"] if r.get("expert_dim") is not None]
     assert rows
     for r in rows:
@@ -288,14 +294,15 @@ def test_compile_writes_the_split_into_plan_json(tmp_path, capsys):
     assert "factors a mesh dim in two" in capsys.readouterr().err
 
 
-def test_verify_refuses_a_resplit_plan(tmp_path, capsys):
-    """verify scales a plan's degrees and runs parallelize.py: on a re-split plan that would
-    run the default split, a different strategy, so it says so instead (exit 2)."""
+def test_verify_runs_a_resplit_plan_scaled_down(tmp_path, capsys):
+    """verify scales an 8-rank tp=2, dp_attn=4, moe_tp=8 plan to 4 gloo ranks keeping the
+    split's kind (dp_attn 4->2, moe_tp 8->4: still every expert tensor-parallel over every
+    rank) and runs the scaled plan's parallelize.py against the unsharded model."""
     out = tmp_path / "o"
-    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "20",
-                 "--degrees", "dp_attn=4,moe_tp=4", "--out", str(out)]) == 0
+    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "8x1", "--budget", "20",
+                 "--degrees", "tp=2,dp_attn=4,moe_tp=8", "--out", str(out)]) == 0
     capsys.readouterr()
     assert main(["verify", "examples/tiny_mixtral.py", "--plan", str(out / "plan.json"),
-                 "--world", "4"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "moe_tp=4 x moe_ep=1" in err
+                 "--world", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "ep 4->2" in text and "moe_tp 8->4" in text and "verify OK" in text

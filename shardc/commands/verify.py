@@ -64,6 +64,12 @@ def fit_problem(graph, strategy, layer_kinds) -> str | None:
                 return f"{fqn} {shape} does not split {n} ways ({dim})"
             if dim == "tp" and spell.startswith("S(") and any(w % n for w in r.get("parts", ())):
                 return f"{fqn} {shape}: packed parts {r['parts']} do not split {n} ways"
+        if deg.experts_resplit and r.get("expert_dim") is not None:  # cut over ep x tp at once
+            n = deg.tp * deg.ep
+            cut = r["placements"][0]
+            if cut.startswith("S(") and (shape[int(cut[2:-1])] % n
+                                         or any(w % n for w in r.get("parts", ()))):
+                return f"{fqn} {shape} does not split {n} ways (the experts' ep x tp)"
     if deg.pp > graph.num_layers:
         return f"pp={deg.pp} > {graph.num_layers} layers"
     for k in graph.layer_kinds:
@@ -90,8 +96,11 @@ def fit_degrees(graph, strategy, layer_kinds, world: int):
         prod = deg["tp"] * deg["ep"] * deg["pp"] * deg["dp"]
         if prod > world or world % prod:
             continue
-        cand = Strategy(Degrees(**deg, sp=deg["tp"] if d0.sp > 1 else 1), strategy.batch,
+        cand = Strategy(Degrees(**deg, sp=deg["tp"] if d0.sp > 1 else 1,
+                                **_scaled_split(d0, deg["tp"], deg["ep"])), strategy.batch,
                         dict(strategy.choices))
+        if d0.experts_resplit and not cand.degrees.experts_resplit:
+            continue  # the experts' own split would become the default: another strategy
         if fit_problem(graph, cand, layer_kinds) is not None:
             continue
         kept = sum(1 for n in names if getattr(d0, n) > 1 and deg[n] > 1)
@@ -104,9 +113,11 @@ def fit_degrees(graph, strategy, layer_kinds, world: int):
         raise InputError(f"no scaled-down degrees of {d0.as_dict()} fit {world} ranks and the model")
     deg = best.degrees
     if deg.world < world:
-        deg = Degrees(tp=deg.tp, ep=deg.ep, pp=deg.pp, dp=deg.dp * (world // deg.world), sp=deg.sp)
+        deg = Degrees(tp=deg.tp, ep=deg.ep, pp=deg.pp, dp=deg.dp * (world // deg.world), sp=deg.sp,
+                      moe_tp=deg.moe_tp, moe_ep=deg.moe_ep)
         best = Strategy(deg, best.batch, best.choices)
-    notes = [f"{n} {getattr(d0, n)}->{getattr(deg, n)}" for n in ("tp", "ep", "pp", "dp", "sp")
+    notes = [f"{n} {getattr(d0, n)}->{getattr(deg, n)}"
+             for n in ("tp", "ep", "pp", "dp", "sp", "moe_tp", "moe_ep")
              if getattr(d0, n) != getattr(deg, n)]
     return best, notes
 
@@ -175,6 +186,14 @@ def _check_args(args) -> None:
     if isinstance(args.seq, bool) or not isinstance(args.seq, int) or args.seq < 1:
         raise InputError(f"--seq {args.seq}: expected a positive number of tokens per sequence")
     check_number(args.seq, "--seq", integer=True, minimum=1, maximum=MAX_SEQ, unit="tokens")
+
+
+def _scaled_split(d0, tp: int, ep: int) -> dict[str, int]:
+    """The experts split of the plan's degrees ``d0`` at the scaled ``tp`` x ``ep``: the same
+    kind (all-TP: moe_tp = tp x ep; all-EP: moe_ep = tp x ep); none for the default split."""
+    if not d0.experts_resplit:
+        return {}
+    return {"moe_tp": tp * ep, "moe_ep": 1} if d0.moe_ep == 1 else {"moe_tp": 1, "moe_ep": tp * ep}
 
 
 def _degree_caps(strategy, world: int) -> dict[str, int]:
