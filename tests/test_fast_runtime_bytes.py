@@ -8,7 +8,9 @@ runs under :class:`collective_record.CollectiveRecorder`; the expected multiset 
 per dp replica: each rank's layers see ``8 / ep`` rows), as in
 ``tests/test_runtime_styles_bytes.py``. The one exempt extra, issued and not charged: with
 ep > 1 the per-expert counts exchange before the uneven dispatch, one ``all_to_all`` of
-``E`` int64 per MoE layer. Unlike the model-level forward, a decode step gathers no logits
+``E`` int64 per MoE layer (not with the experts split their own way: the all-gather dispatch
+of ``moe_tp`` / ``moe_ep`` issues exactly the charged all-gather, reduce-scatter and
+all-reduce). Unlike the model-level forward, a decode step gathers no logits
 over dp x ep (``generate`` gathers the new tokens once, at the end).
 """
 
@@ -26,7 +28,8 @@ from test_runtime_styles_bytes import charged
 
 BATCH = 8
 CHECKED = ["llama tp4", "llama dp2 tp2 batch-split attention", "mixtral ep2 tp2",
-           "deepseek MLA tp4"]
+           "deepseek MLA tp4", "mixtral dp_attn4 moe_tp4", "mixtral tp2 dp_attn2 moe_tp4",
+           "mixtral tp2 dp_attn2 moe_ep4"]
 
 
 def _decode_records(plan, walks, model_file, strategy, label, rank=0):
@@ -73,8 +76,8 @@ def decode_collectives_match(name: str, model_file: str, degrees: dict, choices:
     got = _decode_records(plan, walks, model_file, strategy, name)
     experts = int(graph.config.get("num_experts", 0) or 0)
     moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
-    if strategy.degrees.ep > 1:
-        for _ in range(moe_layers):
+    if strategy.degrees.ep > 1 and not strategy.degrees.experts_resplit:
+        for _ in range(moe_layers):  # (the all-gather dispatch exchanges no counts)
             extra = ("all_to_all", "ep", experts * 8)
             assert extra in got, (f"count exchange {extra} not issued", sorted(got))
             got.remove(extra)

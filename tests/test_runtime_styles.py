@@ -4,7 +4,8 @@ torch's own parallel API (``parallelize_module`` with ``ColwiseParallel`` /
 
 * numerics: one 4-rank gloo launch runs the emitted files of tiny Llama (Megatron tp=4,
   replicated attention + hidden ffn2, batch-split attention, dp x tp, sequence parallelism,
-  KV cache), tiny Mixtral (ep x tp, ep=4, replicated experts, sp) and tiny DeepSeek-V3 (MLA
+  KV cache), tiny Mixtral (ep x tp, ep=4, replicated experts, sp; attention data parallel
+  with the experts tensor- or expert-parallel over every rank) and tiny DeepSeek-V3 (MLA
   tp=4, ep=4, batch-split MLA, sp), and the files ``shardc compile --standalone`` writes;
   logits equal the unsharded model's;
 * parameter placements: every parameter's DTensor placements (per SPMD mesh dim; a plain
@@ -64,6 +65,10 @@ CASES = {
     "llama dp2 tp2 ffn1 row": (LLAMA, {"tp": 2, "dp": 2}, _with(DENSE, D, ffn1="row")),
     "mixtral ep2 tp2 megatron": (MIXTRAL, {"ep": 2, "tp": 2}, MOE),
     "mixtral ep4": (MIXTRAL, {"ep": 4}, MOE),
+    # attention data parallel, the experts split their own way (GatheredExperts)
+    "mixtral dp_attn4 moe_tp4": (MIXTRAL, {"ep": 4, "moe_tp": 4}, MOE),
+    "mixtral tp2 dp_attn2 moe_tp4": (MIXTRAL, {"tp": 2, "ep": 2, "moe_tp": 4}, MOE),
+    "mixtral tp2 dp_attn2 moe_ep4": (MIXTRAL, {"tp": 2, "ep": 2, "moe_ep": 4}, MOE),
     "mixtral ep2 tp2 replicated experts, batch attention": (
         MIXTRAL, {"ep": 2, "tp": 2},
         _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep", **BATCH_ATTN)),
@@ -99,7 +104,7 @@ MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col"
             "shared_ffn2": "row"}
 # covered plans whose default parallelize.py (importing shardc.runtime) runs too
 DEFAULT_FILE_CASES = ["llama megatron tp4", "mixtral ep2 tp2 megatron", "deepseek MLA megatron tp4",
-                      "llama megatron + sequence parallel tp4"]
+                      "llama megatron + sequence parallel tp4", "mixtral tp2 dp_attn2 moe_tp4"]
 # (case name, base case, Case options): the same emitted file under a cache / padding
 VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 2}),
             ("mixtral ep2 tp2, padding mask", "mixtral ep2 tp2 megatron", {"padded": "right"}),
@@ -110,12 +115,17 @@ VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 
             ("llama batch attention tp4, KV cache",
              "llama batch attention, hidden embedding, row lm_head tp4", {"kv_cache": 2}),
             ("mixtral ep4, KV cache", "mixtral ep4", {"kv_cache": 2}),
+            ("mixtral dp_attn4 moe_tp4, KV cache", "mixtral dp_attn4 moe_tp4", {"kv_cache": 2}),
+            ("mixtral tp2 dp_attn2 moe_tp4, left padding", "mixtral tp2 dp_attn2 moe_tp4",
+             {"padded": "left"}),
             ("deepseek sp batch-split MLA, padding mask",
              "deepseek ep2 tp2 batch-split MLA, shared rep", {"padded": "right"})]
 # what ``shardc compile --standalone`` writes, run as is: name -> (model file, --degrees)
 CLI_CASES = {"llama: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (LLAMA, "tp=4"),
              "mixtral: shardc compile --mesh 4x1 --degrees ep=2,tp=2 --standalone": (
                  MIXTRAL, "ep=2,tp=2"),
+             "mixtral: shardc compile --mesh 4x1 --degrees dp_attn=4,moe_tp=4 --standalone": (
+                 MIXTRAL, "dp_attn=4,moe_tp=4"),
              "deepseek: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (
                  TINY_DEEPSEEK, "tp=4")}
 

@@ -22,7 +22,7 @@ bounded exactly (:func:`exempt_extras`):
 
 * ``ExpertParallel`` with ep > 1 exchanges the per-expert row counts before the uneven
   dispatch: one ``all_to_all`` over ``ep`` of ``E`` int64 per MoE layer (``E x 8`` bytes,
-  latency only);
+  latency only; ``GatheredExperts``, the experts split their own way, exchanges none);
 * with dp x ep > 1 the logits are all-gathered over the batch-split mesh (the model maps the
   global batch to global logits): one ``all_gather`` of ``global batch x vocab x 4`` bytes.
 
@@ -43,7 +43,8 @@ from test_runtime_styles import CASES
 
 CHECKED = ["llama megatron tp4", "llama megatron + sequence parallel tp4",
            "llama batch attention, hidden embedding, row lm_head tp4",
-           "mixtral ep2 tp2 megatron", "mixtral ep4", "deepseek MLA megatron tp4"]
+           "mixtral ep2 tp2 megatron", "mixtral ep4", "deepseek MLA megatron tp4",
+           "mixtral dp_attn4 moe_tp4", "mixtral tp2 dp_attn2 moe_tp4", "mixtral tp2 dp_attn2 moe_ep4"]
 BATCH = 8  # sequences per dp replica (plan and forward)
 
 
@@ -70,7 +71,7 @@ def exempt_extras(graph, strategy, vocab: int) -> list[tuple[str, str, int]]:
     extra = []
     experts = int(graph.config.get("num_experts", 0) or 0)
     moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
-    if deg.ep > 1:
+    if deg.ep > 1 and not deg.experts_resplit:  # the all-gather dispatch exchanges no counts
         extra += [("all_to_all", "ep", experts * 8)] * moe_layers
     if deg.dp * deg.ep > 1:
         dim = "dp_ep" if deg.dp > 1 and deg.ep > 1 else ("dp" if deg.dp > 1 else "ep")

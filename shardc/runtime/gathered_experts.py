@@ -163,7 +163,7 @@ class GatheredExpertsLocal:
         if residual != "R":
             raise NotImplementedError("the all-gather dispatch needs a replicated residual")
         if self.ep:
-            x = funcol.all_gather_tensor(x.contiguous(), 0, self.ep.pg)
+            x = funcol.all_gather_single(x.contiguous(), 0, self.ep.pg)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         _, weights, idx = self.router(x2)
@@ -187,7 +187,7 @@ class GatheredExpertsLocal:
         y = x2.new_zeros(t, shape[-1]).index_add_(0, pair // k, scaled.to(x2.dtype))
         y = y.view(shape)  # partial sums over the ep x tp ranks
         if self.ep:
-            y = funcol.reduce_scatter_tensor(y.contiguous(), "sum", 0, self.ep.pg)
+            y = funcol.reduce_scatter_single(y.contiguous(), "sum", 0, self.ep.pg)
         if self.tp:
             y = funcol.all_reduce(y, "sum", self.tp.pg)
         return y
