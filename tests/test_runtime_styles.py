@@ -124,10 +124,10 @@ VARIANTS = [("llama megatron tp4, KV cache", "llama megatron tp4", {"kv_cache": 
 CLI_CASES = {"llama: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (LLAMA, "tp=4"),
              "mixtral: shardc compile --mesh 4x1 --degrees ep=2,tp=2 --standalone": (
                  MIXTRAL, "ep=2,tp=2"),
-             "mixtral: shardc compile --mesh 4x1 --degrees dp_attn=4,moe_tp=4 --standalone": (
-                 MIXTRAL, "dp_attn=4,moe_tp=4"),
              "deepseek: shardc compile --mesh 4x1 --degrees tp=4 --standalone": (
-                 TINY_DEEPSEEK, "tp=4")}
+                 TINY_DEEPSEEK, "tp=4"),
+             "mixtral: shardc compile --mesh 4x1 --degrees dp_attn=4,moe_tp=4 --standalone": (
+                 MIXTRAL, "dp_attn=4,moe_tp=4")}
 
 
 def build(model_file: str, degrees: dict, choices: dict | None):
@@ -266,6 +266,9 @@ def test_megatron_file_reads_as_colwise_rowwise_plans(emitted):
     assert "'self_attn.kv_b_proj': ColwiseParallel()" in mla and "q_a_proj'" not in mla
     moe = emitted[list(CLI_CASES)[1]][1].read_text()
     assert "ExpertParallel(tp_split=True)" in moe and "uneven all_to_all_single" in moe
+    split = emitted[list(CLI_CASES)[3]][1].read_text().split("\ndef parallelize(")[1]
+    assert "GatheredExperts(experts='experts', " in split and "split='tp'" in split
+    assert "ExpertParallel(" not in split and "all_gather of the tokens over ep=4" in split
 
 
 def test_runtime_import_pulls_no_heavy_package():

@@ -284,6 +284,8 @@ def style_plan(plan) -> StylePlan:
             w = walk(ops, [choice(o) for o in ops], res, res)
             desc = " -> ".join(f"{s.op} {s.choice.name}" for s in w.steps)
             colls = ", ".join(f"{c} {a}->{b} before {op}" for op, a, b, c in w.collectives())
+            if branch == "experts" and deg.experts_resplit:  # the all-gather dispatch
+                colls = f"moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}: GatheredExperts below"
             kp.notes.append(f"{branch}: {desc} ({colls or 'no collective'})" if tp > 1
                             else f"{branch}: tp=1, no tp collective")
             if tp > 1:
