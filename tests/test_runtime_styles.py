@@ -69,6 +69,7 @@ CASES = {
     "mixtral dp_attn4 moe_tp4": (MIXTRAL, {"ep": 4, "moe_tp": 4}, MOE),
     "mixtral tp2 dp_attn2 moe_tp4": (MIXTRAL, {"tp": 2, "ep": 2, "moe_tp": 4}, MOE),
     "mixtral tp2 dp_attn2 moe_ep4": (MIXTRAL, {"tp": 2, "ep": 2, "moe_ep": 4}, MOE),
+    "mixtral tp4 moe_ep4": (MIXTRAL, {"tp": 4, "moe_ep": 4}, MOE),
     "mixtral ep2 tp2 replicated experts, batch attention": (
         MIXTRAL, {"ep": 2, "tp": 2},
         _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep", **BATCH_ATTN)),
