@@ -163,6 +163,7 @@ def _baseline_entry(space, result) -> dict:
     """plan.json ``baseline.<name>``: the baseline's degrees and tok/s/GPU (None, None when
     it found nothing feasible or did not run)."""
     found = result is not None and result.best_action is not None
+    space = (result.space or space) if found else space
     return {"degrees": space.decode(result.best_action).degrees.as_dict() if found else None,
             "tok_s_per_gpu": float(result.best_value) if found else None}
 

@@ -57,6 +57,43 @@ def _canonical_when_tp1(space, objective, action, value):
     return action
 
 
+def best_practice_over_splits(space, cost_model, default: SearchResult, budget: int,
+                              seed: int) -> SearchResult:
+    """The best-practice baseline over the experts splits: ``default`` (its sweep at the
+    default split) and its sweep in every re-split copy of ``space`` some engine runs
+    (:func:`shardc.ir.engines.searched_splits` with ``"any"``: attention data parallel with
+    the experts TP or EP over every rank, as the engines deploy it), the best kept (ties:
+    ``default``); a re-split winner's ``space`` is the copy its action decodes in."""
+    from shardc.ir.engines import split_spaces
+
+    best, evals = default, int(default.evaluations)
+    for sp in split_spaces(space, "any")[1:]:
+        r = run_search("best_practice", sp, cost_model_objective(cost_model, sp),
+                       budget=budget, seed=seed)
+        evals += int(r.evaluations)
+        if r.best_action is not None and np.isfinite(r.best_value) and (
+                best.best_action is None or r.best_value > best.best_value):
+            r.space, best = sp, r
+    best.evaluations = evals
+    return best
+
+
+def _dtensor_resplits(policy, space, cost_model, result: SearchResult, budget: int,
+                      seed: int) -> SearchResult:
+    """``result`` (the search at the default experts split) against the same search in every
+    re-split copy of ``space`` the DTensor backend runs (:func:`shardc.ir.engines.
+    dtensor_runs_split`: today none, so ``result`` as it is); the best kept."""
+    from shardc.ir.engines import split_spaces
+
+    for sp in split_spaces(space, "dtensor")[1:]:
+        r = run_search(policy, sp, cost_model_objective(cost_model, sp), budget=budget,
+                       seed=seed)
+        result.evaluations += int(r.evaluations)
+        if r.best_action is not None and r.best_value > result.best_value:
+            r.space, r.evaluations, result = sp, result.evaluations, r
+    return result
+
+
 def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: str = "rl",
                 budget: int = 4000, seed: int = 0, progress=None,
                 fixed: dict[str, int] | None = None, kernels: str = "silicon",
@@ -77,6 +114,11 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     baselines = {name: run_search(name, space, objective, budget=budget, seed=seed)
                  for name in ("megatron", "best_practice")}
+    # the plan is never worse than a baseline the plan's runtime runs (best_practice below
+    # may pick an experts re-split only the engines run)
+    runnable = dict(baselines)
+    baselines["best_practice"] = best_practice_over_splits(
+        space, cost_model, baselines["best_practice"], budget=budget, seed=seed)
     engine_result = None
     if runtime != "dtensor":
         engine_result = search_engine(policy, space, runtime, budget=budget, seed=seed,
@@ -87,16 +129,17 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
         result = engine_result.result
         result.evaluations = engine_result.evaluations  # every mode's, not only the best's
     elif policy in baselines:
-        result = baselines[policy]
+        result = runnable[policy]
     else:
         result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
+        result = _dtensor_resplits(policy, space, cost_model, result, budget, seed)
     searched = result
     chosen_from = policy
     # Never hand back a plan worse than a baseline computed in the same run (a baseline
     # asked for by name is returned as it is; with an engine runtime the plan must stay in
     # the engine's space, so the baselines are only compared with).
     skip = policy in baselines or runtime != "dtensor"
-    for name, base in ({} if skip else baselines).items():
+    for name, base in ({} if skip else runnable).items():
         if (base.best_action is not None and np.isfinite(base.best_value)
                 and (result.best_action is None or base.best_value > result.best_value)):
             result, chosen_from = base, name
@@ -104,6 +147,11 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
             infeasible_message(graph, mesh, cost_model.hw, workload, cost_model, space))
+    if result.space is not None:  # an engine's experts re-split: the plan's space is its
+        for base in baselines.values():  # the baselines keep decoding in the whole space
+            base.space = base.space or space
+        space = result.space
+        objective = cost_model_objective(cost_model, space)
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
     # collective bytes for the tokens of one step of one replica (as graph.txt's shapes)

@@ -103,6 +103,7 @@ def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload,
         return _entry(engine, [], None, plan_value, False,
                       f"nothing {name} expresses fits this workload (memory or the SLOs)",
                       search)
+    space = found.result.space or space  # an experts re-split decodes in its own space
     s = space.decode(found.result.best_action)
     pred = cm.simulate(s).predicted
     pool = LaunchPool.of(role, s, space, length, mem, **fmt)

@@ -301,7 +301,7 @@ def _search_pool(graph, mesh, hw, wl, role, policy, budget, seed, fixed, progres
             pool.results[tag] = run_search(tag, space, obj, budget=budget, seed=seed,
                                            progress=prog, **opts)
             continue
-        found = search_engine(tag, space, runtime, budget=budget, seed=seed,
+        found = search_engine(tag, space, runtime, budget=budget, seed=seed, resplit=False,
                               objective_for=lambda ms: obj, progress=prog, **opts)
         if found is None:
             raise InfeasibleError(f"--runtime {runtime}: the engine expresses no "
@@ -338,7 +338,49 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
     mode meets the SLOs (naming what binds). The Megatron sweep always runs;
     ``extra_policies`` (default: ``best_practice`` where search/ has it, and ``exact`` for
     the optimum fraction, time-limited) run besides ``policy``. ``kernels`` / ``engine``: what
-    prices the ops; tp stays in one NVLink domain unless ``allow_cross_node_tp``."""
+    prices the ops; tp stays in one NVLink domain unless ``allow_cross_node_tp``. With a MoE
+    model, every experts split the ``runtime`` runs (an engine: what it spells; dtensor: none
+    today)
+    (:func:`shardc.ir.engines.searched_splits`) is searched as its own fixed-split search
+    and the best deployment kept (ties: the default split's; the baselines stay the default
+    split's); every pool of one deployment has the same split."""
+    args = dict(policy=policy, budget=budget, seed=seed, progress=progress,
+                extra_policies=extra_policies, kernels=kernels, engine=engine,
+                allow_cross_node_tp=allow_cross_node_tp, runtime=runtime)
+    splits = _engine_splits(graph, mesh, hardware, wl, fixed, runtime, allow_cross_node_tp)
+    best = _serve_search_one(graph, mesh, hardware, wl, fixed=fixed, **args)
+    for moe_tp in splits:
+        try:
+            out = _serve_search_one(graph, mesh, hardware, wl,
+                                    fixed={**(fixed or {}), "moe_tp": moe_tp}, **args)
+        except (InfeasibleError, InputError):
+            continue
+        if out.choice.tok_s_per_gpu > best.choice.tok_s_per_gpu:
+            out.megatron, out.best_practice = best.megatron, best.best_practice
+            best = out
+    return best
+
+
+def _engine_splits(graph, mesh, hardware, wl, fixed, runtime, allow_cross_node_tp) -> list:
+    """The moe_tp values :func:`serve_search` sweeps for ``runtime`` (none for a dense model,
+    a fixed split, or -- today -- dtensor)."""
+    from shardc.cost import load_hardware
+    from shardc.ir.engines import searched_splits
+    from shardc.ir.space import nvlink_tp_domain
+
+    if not int(graph.config.get("num_experts", 0) or 0):
+        return []
+    domain = nvlink_tp_domain(mesh, load_hardware(hardware).nvlink_domain, allow_cross_node_tp)
+    space = StrategySpace(graph, mesh, pool_workload(wl, "mixed"), fixed=dict(fixed or {}),
+                          tp_domain=domain)
+    return searched_splits(space, runtime)
+
+
+def _serve_search_one(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str,
+                      budget: int, seed: int, progress, fixed: dict | None, extra_policies,
+                      kernels: str, engine: str, allow_cross_node_tp: bool,
+                      runtime: str) -> ServeOutcome:
+    """:func:`serve_search` at one experts split (``fixed``'s, else the default)."""
     from shardc.cost import load_hardware
     from shardc.cost.capacity import gpus_short_message
     from shardc.ir.space import nvlink_tp_domain

@@ -212,9 +212,13 @@ def experts_split_problem(degrees) -> str | None:
     """Why the DTensor backend cannot run these degrees (None: it can): of the experts
     splits other than (tp, ep) -- moe_tp x moe_ep, the all-gather dispatch -- the backend
     runs the all-TP (moe_tp = tp x ep) and all-EP (moe_ep = tp x ep) ones
-    (:mod:`shardc.runtime.gathered_experts`); another is priced and launched by the engines
-    but not run by ``parallelize.py`` / the runtime."""
-    if not degrees.experts_resplit or 1 in (degrees.moe_tp, degrees.moe_ep):
+    (:mod:`shardc.runtime.gathered_experts`; the one place saying so:
+    :func:`shardc.ir.engines.dtensor_runs_split`); another is priced and launched by the
+    engines but not run by ``parallelize.py`` / the runtime."""
+    from shardc.ir.engines import dtensor_runs_split
+
+    if not degrees.experts_resplit or dtensor_runs_split(
+            degrees.tp, degrees.ep, degrees.expert_tp, degrees.expert_ep):
         return None
     return (f"the experts split moe_tp={degrees.moe_tp} x moe_ep={degrees.moe_ep} over "
             f"tp={degrees.tp} x dp_attn={degrees.ep} is not implemented in parallelize.py / "

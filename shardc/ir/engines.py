@@ -127,12 +127,33 @@ def mode_row(space: StrategySpace, mode: EngineMode, tp_idx: int) -> np.ndarray 
     return row
 
 
+# Whether the dtensor search (``--runtime dtensor``) sweeps the re-splits
+# :func:`dtensor_runs_split` allows: one more run of the searcher (RL: its whole budget) per
+# split, as RL's action vector has no split component yet; off, so the dtensor plans and
+# their compile time stay those of the default split. Set True to sweep them.
+DTENSOR_SEARCH_SWEEPS_RESPLITS = False
+
+
+def dtensor_runs_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
+    """THE one place saying which experts splits ``moe_tp x moe_ep`` over tp x ep ranks the
+    DTensor backend (``parallelize.py`` and the fast runtime) runs: the default (``moe_tp =
+    tp``, ``moe_ep = ep``), all-TP (``moe_tp = tp x ep``) and all-EP (``moe_ep = tp x ep``;
+    :mod:`shardc.runtime.gathered_experts`). plan.json ``backend``
+    (:func:`shardc.backends.support.experts_split_problem`) and the dtensor search
+    (:func:`searched_splits` with ``"dtensor"``, when
+    :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`) read it."""
+    mt, me = int(moe_tp), int(moe_ep)
+    return (mt, me) == (int(tp), int(ep)) or (mt * me == int(tp) * int(ep) and 1 in (mt, me))
+
+
 def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,
                      dense: bool) -> bool:
-    """Whether ``engine`` runs the experts split ``moe_tp x moe_ep`` other than (tp, ep)
-    over tp x ep ranks (module docstring); ``dense``: the model has dense MLP or
-    shared-expert layers (SGLang / TensorRT-LLM run them at the instance's whole tp, so not
-    beside tp > 1 and ep > 1)."""
+    """Whether ``engine`` (or ``"dtensor"``: :func:`dtensor_runs_split`) runs the experts
+    split ``moe_tp x moe_ep`` other than (tp, ep) over tp x ep ranks (module docstring);
+    ``dense``: the model has dense MLP or shared-expert layers (SGLang / TensorRT-LLM run
+    them at the instance's whole tp, so not beside tp > 1 and ep > 1)."""
+    if engine == "dtensor":
+        return dtensor_runs_split(tp, ep, moe_tp, moe_ep)
     group = tp * ep
     if engine == "vllm":
         return (moe_tp, moe_ep) in ((group, 1), (1, group))
@@ -141,6 +162,45 @@ def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,
     if engine == "trtllm":
         return ep == 1 or tp == 1
     return engine == "sglang"
+
+
+def searched_splits(space: StrategySpace, runtime: str) -> list[int]:
+    """The ``moe_tp`` values (ascending) whose fixed-split copies of ``space``
+    (:func:`shardc.ir.space.with_experts_split`) hold some experts split other than (tp, ep)
+    that ``runtime`` runs (:func:`experts_split_ok`; ``"any"``: some engine runs it) at a
+    (tp, ep) pair of ``space``: the splits a search sweeps as an outer loop besides
+    ``space`` itself. Empty for a dense model, a space whose user fixed the split or sp on,
+    and ``"dtensor"`` unless :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`."""
+    if (not int(space.graph.config.get("num_experts", 0) or 0) or "moe_tp" in space.fixed
+            or "moe_ep" in space.fixed or 0 not in space.values["sp"]
+            or (runtime == "dtensor" and not DTENSOR_SEARCH_SWEEPS_RESPLITS)):
+        return []
+    runtimes = ENGINES if runtime == "any" else (runtime,)
+    dense, world = has_dense_mlp(space), space.mesh.gpus
+    widths = {int(k.op("expert_ffn2").in_features or 0) for k in space.graph.layer_kinds
+              if k.op("expert_ffn2") is not None}
+    out = set()
+    for tp in space.values["tp"]:
+        for ep in space.values["ep"]:
+            group = tp * ep
+            if world % group:
+                continue
+            for mt in range(1, group + 1):
+                if group % mt or mt == tp or any(w and w % mt for w in widths):
+                    continue
+                me = group // mt
+                if int(space.graph.config["num_experts"]) % me:
+                    continue
+                if any(experts_split_ok(r, tp, ep, mt, me, dense) for r in runtimes):
+                    out.add(mt)
+    return sorted(out)
+
+
+def split_spaces(space: StrategySpace, runtime: str) -> list[StrategySpace]:
+    """``space`` then its fixed-split copies for :func:`searched_splits` (``runtime``)."""
+    from shardc.ir.space import with_experts_split
+
+    return [space] + [with_experts_split(space, mt) for mt in searched_splits(space, runtime)]
 
 
 def degree_pairs(space: StrategySpace, mode: EngineMode, tps) -> tuple[tuple[int, int], ...]:

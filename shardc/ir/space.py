@@ -336,6 +336,20 @@ class StrategySpace:
         return np.array(out, dtype=np.int64)
 
 
+def with_experts_split(space: StrategySpace, moe_tp: int) -> StrategySpace:
+    """A copy of ``space`` with the experts split fixed at ``moe_tp`` (``moe_ep = tp x ep /
+    moe_tp`` at each (tp, ep); as ``--degrees moe_tp=N`` builds it: sp off, the experts
+    column / row): same components and candidate values (sp's value 0 keeps its index), so
+    an action means the same degrees and ops in both, and decodes with the split only here.
+    The searches sweep these copies as an outer loop (:func:`shardc.ir.engines.split_spaces`)."""
+    import dataclasses
+
+    out = dataclasses.replace(space, fixed={**space.fixed, "moe_tp": int(moe_tp)})
+    out.values = {**space.values, "sp": [0]}
+    assert 0 in space.values["sp"] and space.values["sp"].index(0) == 0
+    return out
+
+
 # Megatron-LM's fixed per-op dims (SPEC section 7): column-parallel qkv / ffn1, row-parallel
 # out_proj / ffn2, attention split by heads, vocab-parallel embedding, column-parallel
 # (vocab-split) lm_head, router replicated, experts split by EP with Megatron dims inside.

@@ -40,7 +40,8 @@ SWEEPS = ("megatron", "best_practice", "exact")  # deterministic; evaluations = 
 class SearchResult:
     """Outcome of one search. ``best_value`` in tokens/s per GPU (0.0 and ``best_action``
     None when no feasible strategy was seen); ``curve`` = [(evaluations, best_value)];
-    ``complete`` is False only for an ``exact`` sweep stopped by its time limit."""
+    ``complete`` is False only for an ``exact`` sweep stopped by its time limit;
+    ``space``: see the field."""
 
     best_action: np.ndarray | None
     best_value: float
@@ -51,6 +52,9 @@ class SearchResult:
     seed: int
     complete: bool = True
     extra: dict = field(default_factory=dict)
+    # the space ``best_action`` decodes in when it is not the searched space (an experts
+    # re-split copy, :func:`shardc.ir.space.with_experts_split`); None: the searched space
+    space: object = None
 
     @property
     def found(self) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardc.ir.engines import EngineMode, mode_spaces
+from shardc.ir.engines import EngineMode, mode_spaces, split_spaces
 from shardc.search import SWEEPS, SearchResult, cost_model_objective, run_search
 from shardc.search.baselines import sweep_actions
 from shardc.search.exact import EXACT_TIME_LIMIT_S
@@ -30,7 +30,8 @@ from shardc.search.objective import Budget
 @dataclass
 class EngineSearch:
     """The engine's best: ``result`` (over every mode; ``best_action`` decodes in ``space``
-    and in the unrestricted space alike), the ``space`` and ``mode`` it came from, and
+    and in ``result.space`` -- or, when that is None, the unrestricted space -- alike), the
+    ``space`` and ``mode`` it came from, and
     ``complete`` (False when some mode's exact sweep hit its time limit)."""
 
     engine: str
@@ -41,13 +42,37 @@ class EngineSearch:
     evaluations: int
 
 
+def engine_mode_spaces(space, engine: str, resplit: bool = True
+                       ) -> list[tuple[EngineMode, object, object]]:
+    """(mode, mode space, split space) for every mode of ``engine`` in ``space`` and in its
+    fixed-split copies (:func:`shardc.ir.engines.split_spaces`; there only the (tp, ep)
+    pairs whose split differs from (tp, ep), which ``space`` itself covers), in that order.
+    ``split space``: the unrestricted space the mode's actions decode in. ``resplit`` False:
+    ``space`` alone (a caller sweeping the splits itself, as the serving search)."""
+    out = []
+    for i, sp in enumerate(split_spaces(space, engine) if resplit else [space]):
+        for mode, ms in mode_spaces(sp, engine):
+            if i:
+                pairs = tuple((t, e) for t, e in ms.allowed_tp_ep
+                              if tuple(int(x) for x in sp.experts_split(t, e)) != (t, e))
+                if not pairs:
+                    continue
+                ms.allowed_tp_ep = pairs
+            out.append((mode, ms, sp))
+    return out
+
+
 def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int = 0,
-                  cost_model=None, objective_for=None, progress=None,
+                  cost_model=None, objective_for=None, progress=None, resplit: bool = True,
                   **options) -> EngineSearch | None:
-    """Search ``engine``'s modes of ``space`` with ``policy``; None when the engine expresses
-    nothing here. ``objective_for(mode_space)`` gives each mode's objective (default: the
-    ``cost_model``'s); ``exact`` is :func:`exact_sweep`."""
-    modes = mode_spaces(space, engine)
+    """Search ``engine``'s modes of ``space`` -- and of its experts re-split copies
+    (:func:`engine_mode_spaces`: for a MoE model every split the engine spells, an outer
+    loop over fixed-split spaces) -- with ``policy``; None when the engine expresses nothing
+    here. ``objective_for(mode_space)`` gives each mode's objective (default: the
+    ``cost_model``'s); ``exact`` is :func:`exact_sweep`. Ties keep the first (``space``'s own
+    split before the re-splits). The best's ``result.space`` is the space its action
+    decodes in when that is a re-split copy (None: ``space``)."""
+    modes = engine_mode_spaces(space, engine, resplit)
     if not modes:
         return None
     if objective_for is None:
@@ -56,12 +81,13 @@ def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int
     per_mode = budget if policy in SWEEPS else max(int(budget) // len(modes), 1)
     best: EngineSearch | None = None
     complete, evals = True, 0
-    for mode, ms in modes:
+    for mode, ms, sp in modes:
         if policy == "exact":
             r = exact_sweep(ms, objective_for(ms), seed, progress, **options)
         else:
             r = run_search(policy, ms, objective_for(ms), budget=per_mode, seed=seed,
                            progress=progress, **options)
+        r.space = None if sp is space else sp
         complete &= bool(r.complete)
         evals += int(r.evaluations)
         if r.best_action is None or not np.isfinite(r.best_value):

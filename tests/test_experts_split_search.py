@@ -1,0 +1,159 @@
+"""The experts split (``moe_tp x moe_ep``, docs/deploy.md "Attention data parallel with the
+experts split their own way") as a searched choice: each engine's search sweeps the splits it
+spells as an outer loop over fixed-split spaces, the best-practice baseline picks one, and
+the dtensor search only the splits the DTensor backend runs (one place:
+``shardc.ir.engines.dtensor_runs_split``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shardc.ir.engines as engines
+from shardc.cost import CostModel, load_hardware
+from shardc.driver import best_practice_over_splits, search_pass
+from shardc.frontends import load_graph
+from shardc.ir.engines import experts_split_ok, has_dense_mlp, searched_splits, split_spaces
+from shardc.ir.space import StrategySpace, nvlink_tp_domain
+from shardc.ir.strategy import Mesh, Workload
+from shardc.search import run_search
+from shardc.search.engine_search import search_engine
+from shardc.serving import serve_search
+
+ROOT = Path(__file__).resolve().parents[1]
+MIXTRAL = str(ROOT / "examples" / "configs" / "mixtral_8x7b" / "config.json")
+TINY_MIXTRAL = str(ROOT / "examples" / "tiny_mixtral.py")
+LLAMA = str(ROOT / "examples" / "configs" / "llama3_1_8b" / "config.json")
+
+
+def _setup(model, mesh="8x1", engine="vllm", fixed=None, **wl):
+    g = load_graph(model)
+    m, hw = Mesh.parse(mesh), load_hardware("h100")
+    w = Workload(**wl)
+    space = StrategySpace(g, m, w, fixed=dict(fixed or {}),
+                          tp_domain=nvlink_tp_domain(m, hw.nvlink_domain))
+    return g, m, hw, w, space, CostModel(g, m, hw, w, engine=engine)
+
+
+def _split(found, space):
+    s = (found.result.space or space).decode(found.result.best_action)
+    return s, (s.degrees.expert_tp, s.degrees.expert_ep)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engine_search_finds_a_split_where_only_a_resplit_is_expressible(engine):
+    """tiny_mixtral at --degrees tp=2,ep=4: vLLM has no flag for experts over ep beside
+    tp = 2 at the default split, so only a re-split (all-TP or all-EP over the 8 ranks) is
+    expressible and the search finds it, decoded with that split in the result's own space;
+    SGLang runs the default there, and a re-split only if strictly better."""
+    _, _, _, _, space, cm = _setup(TINY_MIXTRAL, fixed={"tp": 2, "ep": 4}, phase="decode")
+    alone = search_engine("exact", space, engine, cost_model=cm, resplit=False)
+    found = search_engine("exact", space, engine, cost_model=cm)
+    assert found is not None and found.result.best_action is not None
+    s, (mt, me) = _split(found, space)
+    assert mt * me == s.degrees.tp * s.degrees.ep == 8
+    if engine == "vllm":
+        assert alone is None  # nothing at the default split
+        assert (mt, me) in ((8, 1), (1, 8)) and found.result.space is not None
+        assert experts_split_ok("vllm", 2, 4, mt, me, has_dense_mlp(space))
+        assert found.result.space.fixed["moe_tp"] == mt
+    else:  # the default split is expressible: the re-split only when strictly better
+        assert found.result.best_value >= alone.result.best_value
+    # the value is the cost model's own number for the decoded plan
+    assert found.result.best_value == pytest.approx(
+        cm.simulate(s).predicted["tok_s_per_gpu"], rel=1e-9)
+
+
+def test_engine_search_keeps_the_default_split_where_it_wins():
+    """Mixtral 8x1 decode: tp=1 ep=8 (DeepEP's all-to-all) beats every re-split vLLM spells;
+    the sweep saw them (more evaluations) and returned the default, in the caller's space."""
+    _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode")
+    alone = search_engine("exact", space, "vllm", cost_model=cm, resplit=False)
+    found = search_engine("exact", space, "vllm", cost_model=cm)
+    assert found.evaluations > alone.evaluations
+    assert found.result.space is None
+    assert found.result.best_value == alone.result.best_value
+    np.testing.assert_array_equal(found.result.best_action, alone.result.best_action)
+
+
+def test_serve_search_picks_attention_dp_with_expert_tp_where_it_wins(monkeypatch):
+    """Mixtral-8x7B 8x1, aggregated 2048/512 (TTFT 2000 ms, TPOT 30 ms), vLLM: two workers
+    of dp_attn=4 with the experts TP over the 4 ranks (moe_tp=4, vLLM data parallel without
+    --enable-expert-parallel) beat vLLM's best at the default split (tp=4) by > 5%."""
+    g = load_graph(MIXTRAL)
+    wl = Workload(phase="serve", mode="agg", isl=2048, osl=512, ttft_slo_ms=2000,
+                  tpot_slo_ms=30)
+
+    def run():
+        return serve_search(g, Mesh.parse("8x1"), "h100", wl, policy="exact", budget=1,
+                            extra_policies=(), engine="vllm", runtime="vllm")
+
+    out = run()
+    _, _, s, _ = out.choice.pools[0]
+    assert s.degrees.experts_resplit and s.degrees.expert_tp == s.degrees.tp * s.degrees.ep
+    monkeypatch.setattr(engines, "searched_splits", lambda space, runtime: [])
+    default = run()
+    _, _, s0, _ = default.choice.pools[0]
+    assert not s0.degrees.experts_resplit
+    assert out.choice.tok_s_per_gpu > 1.05 * default.choice.tok_s_per_gpu
+
+
+def test_dense_models_have_no_splits_to_search():
+    _, _, _, _, space, _ = _setup(LLAMA, phase="decode")
+    for runtime in ("vllm", "sglang", "trtllm", "any", "dtensor"):
+        assert searched_splits(space, runtime) == []
+        assert split_spaces(space, runtime) == [space]
+
+
+def test_a_fixed_split_is_not_swept():
+    _, _, _, _, space, _ = _setup(MIXTRAL, fixed={"moe_tp": 8}, phase="decode")
+    assert searched_splits(space, "sglang") == []
+
+
+@pytest.mark.parametrize("context, resplit", [(32768, True), (4096, False)])
+def test_best_practice_baseline_keeps_the_better_split(context, resplit):
+    """Mixtral 8x1 decode: at 32k context the baseline's best is tp=8 with the experts EP
+    over the 8 ranks (moe_ep=8, SGLang --ep-size 8), just above tp=8 at the default split;
+    at 4k tp=1 ep=8 at the default split stays. The sweep returns the best over the splits
+    (ties: the default), a re-split decoding with its split in ``result.space``."""
+    from shardc.search import cost_model_objective
+
+    _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode", context=context)
+    default = run_search("best_practice", space, cost_model_objective(cm, space))
+    got = best_practice_over_splits(space, cm, default, budget=1, seed=0)
+    best_re = max(run_search("best_practice", sp, cost_model_objective(cm, sp)).best_value
+                  for sp in split_spaces(space, "any")[1:])
+    assert got.best_value == max(default.best_value, best_re)
+    assert (got.space is not None) == resplit == (best_re > default.best_value)
+    if resplit:
+        s = got.space.decode(got.best_action)
+        assert s.degrees.experts_resplit
+        assert got.best_value == pytest.approx(cm.simulate(s).predicted["tok_s_per_gpu"])
+
+
+def test_dtensor_search_runs_only_the_backend_splits(monkeypatch):
+    """Today the DTensor backend runs the default split only: the dtensor search has no
+    re-split to sweep and its plan keeps moe_tp = tp even where a re-split prices better.
+    Flipping the one place (dtensor_runs_split) makes the same search sweep it."""
+    g, m, hw, w, space, _ = _setup(TINY_MIXTRAL, phase="decode")
+    assert searched_splits(space, "dtensor") == []
+    out = search_pass(g, m, hw, w, policy="megatron", budget=1)
+    assert not out.strategy.degrees.experts_resplit and out.result.space is None
+    monkeypatch.setattr(engines, "dtensor_runs_split",
+                        lambda tp, ep, mt, me: (mt, me) in ((tp, ep), (tp * ep, 1)))
+    assert searched_splits(space, "dtensor") == sorted(
+        {t * e for t in space.values["tp"] for e in space.values["ep"]
+         if e > 1 and m.gpus % (t * e) == 0})
+
+
+def test_backend_verdict_reads_the_one_place(monkeypatch):
+    from shardc.backends.support import experts_split_problem
+    from shardc.ir.strategy import Degrees
+
+    d = Degrees(tp=1, ep=8, pp=1, dp=1, moe_tp=8, moe_ep=1)
+    assert experts_split_problem(d)
+    monkeypatch.setattr(engines, "dtensor_runs_split",
+                        lambda tp, ep, mt, me: mt == tp * ep)
+    assert experts_split_problem(d) is None
