@@ -8,8 +8,11 @@ degrees x batches; :func:`exact_sweep` evaluates all of them in a few vectorised
 generic solver's per-degree-tuple calls would pay the evaluator's fixed cost per row).
 
 Budget: a budgeted searcher (rl, sa, rw, ga) gets ``budget // modes`` evaluations per mode
-(at least 1), so the whole search spends the budget it was given; the sweeps (exact,
-megatron, best_practice) run whole in every mode. ``exact`` is complete when every mode's
+(at least 1; ``modes`` counted at the default experts split), so the search at the default
+split spends the budget it was given exactly as without the re-splits, and each re-split mode
+of a MoE model (:func:`engine_mode_spaces`) gets the same per-mode budget on top (the
+re-splits can only add to the result); the sweeps (exact, megatron, best_practice) run whole
+in every mode. ``exact`` is complete when every mode's
 sweep is (then the value is the optimum of the engine's space under the cost model).
 """
 
@@ -78,7 +81,8 @@ def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int
     if objective_for is None:
         def objective_for(ms):
             return cost_model_objective(cost_model, ms)
-    per_mode = budget if policy in SWEEPS else max(int(budget) // len(modes), 1)
+    n_default = sum(1 for _, _, sp in modes if sp is space) or len(modes)
+    per_mode = budget if policy in SWEEPS else max(int(budget) // n_default, 1)
     best: EngineSearch | None = None
     complete, evals = True, 0
     for mode, ms, sp in modes:
