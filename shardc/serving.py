@@ -347,17 +347,24 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
     args = dict(policy=policy, budget=budget, seed=seed, progress=progress,
                 extra_policies=extra_policies, kernels=kernels, engine=engine,
                 allow_cross_node_tp=allow_cross_node_tp, runtime=runtime)
-    splits = _engine_splits(graph, mesh, hardware, wl, fixed, runtime, allow_cross_node_tp)
-    best = _serve_search_one(graph, mesh, hardware, wl, fixed=fixed, **args)
-    for moe_tp in splits:
+    best, infeasible = None, None
+    try:
+        best = _serve_search_one(graph, mesh, hardware, wl, fixed=fixed, **args)
+    except InfeasibleError as e:  # a re-split may still fit (an engine with no flag for it)
+        infeasible = e
+    for moe_tp in _engine_splits(graph, mesh, hardware, wl, fixed, runtime,
+                                 allow_cross_node_tp):
         try:
             out = _serve_search_one(graph, mesh, hardware, wl,
                                     fixed={**(fixed or {}), "moe_tp": moe_tp}, **args)
         except (InfeasibleError, InputError):
             continue
-        if out.choice.tok_s_per_gpu > best.choice.tok_s_per_gpu:
-            out.megatron, out.best_practice = best.megatron, best.best_practice
+        if best is None or out.choice.tok_s_per_gpu > best.choice.tok_s_per_gpu:
+            if best is not None:
+                out.megatron, out.best_practice = best.megatron, best.best_practice
             best = out
+    if best is None:
+        raise infeasible
     return best
 
 

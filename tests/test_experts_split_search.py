@@ -157,3 +157,22 @@ def test_backend_verdict_reads_the_one_place(monkeypatch):
     monkeypatch.setattr(engines, "dtensor_runs_split",
                         lambda tp, ep, mt, me: mt == tp * ep)
     assert experts_split_problem(d) is None
+
+
+def test_serve_search_finds_a_resplit_where_the_default_split_is_not_expressible():
+    """tiny_mixtral serve at --degrees tp=2,ep=4 on vLLM: the default split has no vLLM flag
+    (the search there finds nothing), a re-split over the 8 ranks does; the deployment is
+    the re-split's."""
+    from shardc.errors import InfeasibleError
+
+    g = load_graph(TINY_MIXTRAL)
+    wl = Workload(phase="serve", mode="agg", isl=256, osl=64)
+    kw = dict(policy="exact", budget=1, extra_policies=(), engine="vllm", runtime="vllm",
+              fixed={"tp": 2, "ep": 4})
+    out = serve_search(g, Mesh.parse("8x1"), "h100", wl, **kw)
+    _, _, s, _ = out.choice.pools[0]
+    assert (s.degrees.tp, s.degrees.ep) == (2, 4)
+    assert (s.degrees.expert_tp, s.degrees.expert_ep) in ((8, 1), (1, 8))
+    with pytest.raises(InfeasibleError):
+        serve_search(g, Mesh.parse("8x1"), "h100", wl,
+                     **{**kw, "fixed": {"tp": 2, "ep": 4, "moe_tp": 2}})
