@@ -46,6 +46,7 @@ from shardc.search.engine_search import search_engine
 from shardc.search.fronts import best_per_key, latency_front
 from shardc.search.objective import CostModelObjective
 from shardc.serving_explain import binding_constraint, nothing_fits
+from shardc.serving_splits import best_over_splits, serve_splits
 
 SLO_MOVES = (0.8, 1.2)
 EXACT_LIMIT_S = 20.0  # CPU seconds per pool, for the optimum fraction
@@ -340,47 +341,14 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
     the optimum fraction, time-limited) run besides ``policy``. ``kernels`` / ``engine``: what
     prices the ops; tp stays in one NVLink domain unless ``allow_cross_node_tp``. With a MoE
     model, every experts split the ``runtime`` runs (an engine: what it spells; dtensor: none
-    today)
-    (:func:`shardc.ir.engines.searched_splits`) is searched as its own fixed-split search
-    and the best deployment kept (ties: the default split's; the baselines stay the default
-    split's); every pool of one deployment has the same split."""
+    today) is searched as its own fixed-split search and the best deployment kept
+    (:mod:`shardc.serving_splits`)."""
     args = dict(policy=policy, budget=budget, seed=seed, progress=progress,
                 extra_policies=extra_policies, kernels=kernels, engine=engine,
                 allow_cross_node_tp=allow_cross_node_tp, runtime=runtime)
-    best, infeasible = None, None
-    try:
-        best = _serve_search_one(graph, mesh, hardware, wl, fixed=fixed, **args)
-    except InfeasibleError as e:  # a re-split may still fit (an engine with no flag for it)
-        infeasible = e
-    for moe_tp in _engine_splits(graph, mesh, hardware, wl, fixed, runtime,
-                                 allow_cross_node_tp):
-        try:
-            out = _serve_search_one(graph, mesh, hardware, wl,
-                                    fixed={**(fixed or {}), "moe_tp": moe_tp}, **args)
-        except (InfeasibleError, InputError):
-            continue
-        if best is None or out.choice.tok_s_per_gpu > best.choice.tok_s_per_gpu:
-            if best is not None:
-                out.megatron, out.best_practice = best.megatron, best.best_practice
-            best = out
-    if best is None:
-        raise infeasible
-    return best
-
-
-def _engine_splits(graph, mesh, hardware, wl, fixed, runtime, allow_cross_node_tp) -> list:
-    """The moe_tp values :func:`serve_search` sweeps for ``runtime`` (none for a dense model,
-    a fixed split, or -- today -- dtensor)."""
-    from shardc.cost import load_hardware
-    from shardc.ir.engines import searched_splits
-    from shardc.ir.space import nvlink_tp_domain
-
-    if not int(graph.config.get("num_experts", 0) or 0):
-        return []
-    domain = nvlink_tp_domain(mesh, load_hardware(hardware).nvlink_domain, allow_cross_node_tp)
-    space = StrategySpace(graph, mesh, pool_workload(wl, "mixed"), fixed=dict(fixed or {}),
-                          tp_domain=domain)
-    return searched_splits(space, runtime)
+    return best_over_splits(
+        lambda f: _serve_search_one(graph, mesh, hardware, wl, fixed=f, **args), fixed,
+        lambda: serve_splits(graph, mesh, hardware, wl, fixed, runtime, allow_cross_node_tp))
 
 
 def _serve_search_one(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str,

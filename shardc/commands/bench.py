@@ -120,7 +120,8 @@ def run_case(case: dict, policies: list[str], budget: int, seeds: int,
         if pol == "exact":
             row["complete"] = bool(results[0].complete)
         if results[0].best_action is not None:
-            row["best_strategy"] = _describe(space, results[int(vals.argmax())].best_action)
+            top = results[int(vals.argmax())]  # an engine's re-split decodes in its space
+            row["best_strategy"] = _describe(top.space or space, top.best_action)
         rows.append(row)
         curves[pol] = results[0].curve
     return {"rows": rows, "curves": curves}
@@ -147,7 +148,8 @@ def _describe(space, action) -> str:
     s = space.decode(action)
     d = s.degrees
     ops = ",".join(f"{k.split('.')[-1]}={v}" for k, v in s.choice_names().items())
-    return f"tp={d.tp} ep={d.ep} pp={d.pp} dp={d.dp} sp={d.sp} batch={s.batch} [{ops}]"
+    split = f" moe_tp={d.moe_tp} moe_ep={d.moe_ep}" if d.experts_resplit else ""
+    return f"tp={d.tp} ep={d.ep} pp={d.pp} dp={d.dp} sp={d.sp}{split} batch={s.batch} [{ops}]"
 
 
 def _run_all(cases, policies, budget, seeds, jobs: int, ray_address: str | None,

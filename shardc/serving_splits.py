@@ -1,0 +1,55 @@
+"""The serving search over the experts splits (``moe_tp x moe_ep``, docs/deploy.md
+"Attention data parallel with the experts split their own way"): with a MoE model the whole
+serving search (:func:`shardc.serving.serve_search`) runs once at the default split and once
+per re-split the runtime runs (:func:`shardc.ir.engines.searched_splits`: an engine's flags;
+dtensor: :func:`shardc.ir.engines.dtensor_runs_split`), each a fixed-split search, and the
+best deployment (tok/s/GPU) is kept -- the default's on a tie, its baselines reported. Every
+pool of one deployment has the same split."""
+
+from __future__ import annotations
+
+from shardc.cost import load_hardware
+from shardc.cost.serving import pool_workload
+from shardc.errors import InfeasibleError, InputError
+from shardc.ir import engines
+from shardc.ir.space import StrategySpace, nvlink_tp_domain
+
+
+def serve_splits(graph, mesh, hardware, wl, fixed, runtime: str,
+                 allow_cross_node_tp: bool) -> list[int]:
+    """The moe_tp values the serving search sweeps besides the default split (none for a
+    dense model, a split fixed in ``fixed``, or -- today -- dtensor)."""
+    if not int(graph.config.get("num_experts", 0) or 0):
+        return []
+    domain = nvlink_tp_domain(mesh, load_hardware(hardware).nvlink_domain, allow_cross_node_tp)
+    space = StrategySpace(graph, mesh, pool_workload(wl, "mixed"), fixed=dict(fixed or {}),
+                          tp_domain=domain)
+    return engines.searched_splits(space, runtime)
+
+
+def best_over_splits(search_one, fixed: dict | None, splits):
+    """``search_one(fixed)`` (a ServeOutcome) at ``fixed`` and at ``fixed`` plus each
+    ``moe_tp`` of ``splits()`` (called after the default's search, so its errors come
+    first); the best by ``choice.tok_s_per_gpu``. A re-split that is infeasible or bad input
+    is skipped; the default's InfeasibleError is raised only when no re-split fits either
+    (an engine may have flags for a re-split only)."""
+    best, infeasible = None, None
+    try:
+        best = search_one(fixed)
+    except InfeasibleError as e:
+        infeasible = e
+    for moe_tp in splits():
+        try:
+            out = search_one({**(fixed or {}), "moe_tp": int(moe_tp)})
+        except (InfeasibleError, InputError):
+            continue
+        if best is None or out.choice.tok_s_per_gpu > best.choice.tok_s_per_gpu:
+            if best is not None:  # the reported baselines stay the first search's
+                out.megatron, out.best_practice = best.megatron, best.best_practice
+            best = out
+    if best is None:
+        raise infeasible
+    return best
+
+
+__all__ = ["serve_splits", "best_over_splits"]
