@@ -176,3 +176,11 @@ def test_serve_search_finds_a_resplit_where_the_default_split_is_not_expressible
     with pytest.raises(InfeasibleError):
         serve_search(g, Mesh.parse("8x1"), "h100", wl,
                      **{**kw, "fixed": {"tp": 2, "ep": 4, "moe_tp": 2}})
+
+
+def test_a_split_whose_derived_half_does_not_divide_is_an_invalid_row():
+    """Mixtral (8 experts) on 8x128 with moe_tp=4: at tp=8, ep=8 the derived moe_ep = 16
+    does not divide the experts, so that row is invalid (dp 0), not a plan that fails later."""
+    _, _, _, _, space, _ = _setup(MIXTRAL, mesh="8x128", fixed={"moe_tp": 4}, phase="decode")
+    mt, me = space.experts_split([8, 2], [8, 2])
+    assert (int(mt[0]), int(me[0])) == (0, 0) and (int(mt[1]), int(me[1])) == (4, 1)

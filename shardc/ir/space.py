@@ -215,7 +215,18 @@ class StrategySpace:
         mt = np.where(mt > 0, mt, group // np.maximum(me, 1))
         me = np.where(me > 0, me, group // np.maximum(mt, 1))
         ok = (mt * me == group) & (mt > 0) & (me > 0)
+        # the derived half must also divide the experts (moe_ep) and their width (moe_tp)
+        experts = int(self.graph.config.get("num_experts", 0) or 0)
+        if experts:
+            ok &= experts % np.maximum(me, 1) == 0
+        for width in self._expert_widths():
+            ok &= width % np.maximum(mt, 1) == 0
         return np.where(ok, mt, 0), np.where(ok, me, 0)
+
+    def _expert_widths(self) -> list[int]:
+        """The routed experts' ffn widths (the dims moe_tp splits)."""
+        return sorted({int(k.op("expert_ffn2").in_features or 0)
+                       for k in self.graph.layer_kinds if k.op("expert_ffn2") is not None} - {0})
 
     def fixed_degrees_fit(self, tp, ep, pp) -> np.ndarray:
         """Whether degree values (arrays) agree with a fixed dp: tp * ep * pp = GPUs / dp."""
