@@ -92,10 +92,11 @@ def test_each_engines_best_is_expressible_and_fits(case, tmp_path):
         assert found is not None and found.complete
         if found.result.best_action is None:
             continue  # nothing it expresses fits: no script
-        s = space.decode(found.result.best_action)
-        assert strategy_mode(engine, space, s) is not None
-        ev = cm.evaluate(space.encode(s)[None, :], space)
+        sp = found.result.space or space  # an experts re-split decodes in its own space
+        s = sp.decode(found.result.best_action)
+        assert strategy_mode(engine, sp, s) is not None
+        ev = cm.evaluate(sp.encode(s)[None, :], sp)
         assert bool(ev.feasible[0]) and float(ev.tok_s_per_gpu[0]) == pytest.approx(
             found.result.best_value)
-        check_script(engine, LaunchPool.of(role_for_phase(wl.phase), s, space, 4096, 0.9),
+        check_script(engine, LaunchPool.of(role_for_phase(wl.phase), s, sp, 4096, 0.9),
                      tmp_path, mesh.gpus_per_node)
