@@ -253,7 +253,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
 
         baseline["megatron"]["slo_check"] = slo_cliff_check(
             outcome.cost_model, outcome.space, outcome.strategy,
-            float(outcome.result.best_value), float(mega.best_value))
+            float(outcome.result.best_value), float(mega.best_value), mega.space)
     search_info = {
         "policy": search, "budget": int(budget), "evaluations": int(outcome.searched.evaluations),
         "seed": int(seed), "wall_s": round(wall_s, 3), "chosen_from": outcome.chosen_from,

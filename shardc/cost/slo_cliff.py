@@ -61,11 +61,13 @@ def _best_batch(cost_model, space: StrategySpace, strategy: Strategy) -> float:
 
 
 def slo_cliff_check(cost_model, space: StrategySpace, strategy: Strategy, value: float,
-                    megatron_value: float) -> dict:
+                    megatron_value: float, megatron_space: StrategySpace | None = None) -> dict:
     """``{"ratio", "slo_scales", "ratios", "margin", "gain_kept", "robust"}`` for the plan
     ``strategy``
     (``value`` tok/s/GPU) against Megatron's best ``megatron_value`` at the workload's SLO
-    (see the module docstring); ``ratios[i]`` is None where Megatron is infeasible."""
+    (see the module docstring); ``ratios[i]`` is None where Megatron is infeasible.
+    ``megatron_space``: the space Megatron's sweep ran in when not the plan's ``space`` (a
+    plan at an experts re-split)."""
     ratio = value / megatron_value if megatron_value > 0 else None
     wl = cost_model.workload
     ratios = []
@@ -75,7 +77,8 @@ def slo_cliff_check(cost_model, space: StrategySpace, strategy: Strategy, value:
         cm = copy.copy(cost_model)  # the same model and options, another SLO
         cm.workload = w
         sp = replace(space, workload=w)
-        mega = _megatron_best(cm, sp)
+        mega = _megatron_best(cm, sp if megatron_space is None
+                              else replace(megatron_space, workload=w))
         plan = max(_best_batch(cm, sp, strategy), mega)
         ratios.append(plan / mega if mega > 0 else None)
     robust = ratio is not None and all(
