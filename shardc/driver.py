@@ -82,7 +82,8 @@ def _dtensor_resplits(policy, space, cost_model, result: SearchResult, budget: i
                       seed: int) -> SearchResult:
     """``result`` (the search at the default experts split) against the same search in every
     re-split copy of ``space`` the DTensor backend runs (:func:`shardc.ir.engines.
-    dtensor_runs_split`: today none, so ``result`` as it is); the best kept."""
+    dtensor_runs_split`), when ``DTENSOR_SEARCH_SWEEPS_RESPLITS`` (off: none, ``result`` as
+    it is); the best kept."""
     from shardc.ir.engines import split_spaces
 
     for sp in split_spaces(space, "dtensor")[1:]:

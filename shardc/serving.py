@@ -341,7 +341,7 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
     the optimum fraction, time-limited) run besides ``policy``. ``kernels`` / ``engine``: what
     prices the ops; tp stays in one NVLink domain unless ``allow_cross_node_tp``. With a MoE
     model, every experts split the ``runtime`` runs (an engine: what it spells; dtensor: none
-    today) is searched as its own fixed-split search and the best deployment kept
+    unless ``DTENSOR_SEARCH_SWEEPS_RESPLITS``) is searched as its own fixed-split search and the best deployment kept
     (:mod:`shardc.serving_splits`)."""
     args = dict(policy=policy, budget=budget, seed=seed, progress=progress,
                 extra_policies=extra_policies, kernels=kernels, engine=engine,

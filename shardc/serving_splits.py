@@ -2,7 +2,7 @@
 "Attention data parallel with the experts split their own way"): with a MoE model the whole
 serving search (:func:`shardc.serving.serve_search`) runs once at the default split and once
 per re-split the runtime runs (:func:`shardc.ir.engines.searched_splits`: an engine's flags;
-dtensor: :func:`shardc.ir.engines.dtensor_runs_split`), each a fixed-split search, and the
+dtensor: :func:`shardc.ir.engines.dtensor_runs_split`, when switched on), each a fixed-split search, and the
 best deployment (tok/s/GPU) is kept -- the default's on a tie, its baselines reported. Every
 pool of one deployment has the same split."""
 
@@ -18,7 +18,8 @@ from shardc.ir.space import StrategySpace, nvlink_tp_domain
 def serve_splits(graph, mesh, hardware, wl, fixed, runtime: str,
                  allow_cross_node_tp: bool) -> list[int]:
     """The moe_tp values the serving search sweeps besides the default split (none for a
-    dense model, a split fixed in ``fixed``, or -- today -- dtensor)."""
+    dense model, a split fixed in ``fixed``, or dtensor unless
+    :data:`shardc.ir.engines.DTENSOR_SEARCH_SWEEPS_RESPLITS`)."""
     if not int(graph.config.get("num_experts", 0) or 0):
         return []
     domain = nvlink_tp_domain(mesh, load_hardware(hardware).nvlink_domain, allow_cross_node_tp)

@@ -19,7 +19,7 @@ from shardc.ir.engines import experts_split_ok, has_dense_mlp, searched_splits, 
 from shardc.ir.space import StrategySpace, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search import run_search
-from shardc.search.engine_search import search_engine
+from shardc.search.engine_search import engine_mode_spaces, search_engine
 from shardc.serving import serve_search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,30 +133,48 @@ def test_best_practice_baseline_keeps_the_better_split(context, resplit):
         assert got.best_value == pytest.approx(cm.simulate(s).predicted["tok_s_per_gpu"])
 
 
-def test_dtensor_search_runs_only_the_backend_splits(monkeypatch):
-    """Today the DTensor backend runs the default split only: the dtensor search has no
-    re-split to sweep and its plan keeps moe_tp = tp even where a re-split prices better.
-    Flipping the one place (dtensor_runs_split) makes the same search sweep it."""
-    g, m, hw, w, space, _ = _setup(TINY_MIXTRAL, phase="decode")
+def test_dtensor_search_sweeps_the_backend_splits_only_when_switched_on(monkeypatch):
+    """The DTensor backend runs all-TP and all-EP (dtensor_runs_split, the one place); the
+    dtensor search sweeps them only with DTENSOR_SEARCH_SWEEPS_RESPLITS (off: RL would run
+    once per split), so today its plan keeps the default split. Switched on, the sweep holds
+    exactly the splits the one place allows."""
+    g, m, hw, w, space, cm = _setup(TINY_MIXTRAL, phase="decode")
     assert searched_splits(space, "dtensor") == []
     out = search_pass(g, m, hw, w, policy="megatron", budget=1)
     assert not out.strategy.degrees.experts_resplit and out.result.space is None
+    monkeypatch.setattr(engines, "DTENSOR_SEARCH_SWEEPS_RESPLITS", True)
+    on = searched_splits(space, "dtensor")
+    assert on and on == searched_splits(space, "any")  # the engines spell all-TP / all-EP
     monkeypatch.setattr(engines, "dtensor_runs_split",
                         lambda tp, ep, mt, me: (mt, me) in ((tp, ep), (tp * ep, 1)))
-    assert searched_splits(space, "dtensor") == sorted(
-        {t * e for t in space.values["tp"] for e in space.values["ep"]
-         if e > 1 and m.gpus % (t * e) == 0})
+    all_tp = searched_splits(space, "dtensor")  # the one place narrowed to all-TP
+    assert all_tp == sorted({t * e for t in space.values["tp"] for e in space.values["ep"]
+                             if e > 1 and m.gpus % (t * e) == 0})
+    out = search_pass(g, m, hw, w, policy="exact", budget=1)
+    s = out.strategy.degrees
+    assert not s.experts_resplit or (s.expert_tp, s.expert_ep) == (s.tp * s.ep, 1)
 
 
 def test_backend_verdict_reads_the_one_place(monkeypatch):
     from shardc.backends.support import experts_split_problem
     from shardc.ir.strategy import Degrees
 
-    d = Degrees(tp=1, ep=8, pp=1, dp=1, moe_tp=8, moe_ep=1)
-    assert experts_split_problem(d)
-    monkeypatch.setattr(engines, "dtensor_runs_split",
-                        lambda tp, ep, mt, me: mt == tp * ep)
-    assert experts_split_problem(d) is None
+    assert experts_split_problem(Degrees(tp=1, ep=8, pp=1, dp=1, moe_tp=8, moe_ep=1)) is None
+    mixed = Degrees(tp=1, ep=8, pp=1, dp=1, moe_tp=2, moe_ep=4)
+    assert experts_split_problem(mixed)
+    monkeypatch.setattr(engines, "dtensor_runs_split", lambda tp, ep, mt, me: mt * me == tp * ep)
+    assert experts_split_problem(mixed) is None
+
+
+def test_searched_resplits_are_the_ones_plan_json_places():
+    """Compile refuses a split with moe_tp and moe_ep both > 1 (its placements cannot say
+    it), so no search returns one: every engine's best over Mixtral 8x1 decode at 32k is
+    default, all-TP or all-EP."""
+    _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode", context=32768, engine="sglang")
+    for mode, ms, sp in engine_mode_spaces(space, "sglang"):
+        for t, e in ms.allowed_tp_ep:
+            mt, me = (int(x) for x in sp.experts_split(t, e))
+            assert (mt, me) == (t, e) or 1 in (mt, me)
 
 
 def test_serve_search_finds_a_resplit_where_the_default_split_is_not_expressible():

@@ -134,6 +134,15 @@ def mode_row(space: StrategySpace, mode: EngineMode, tp_idx: int) -> np.ndarray 
 DTENSOR_SEARCH_SWEEPS_RESPLITS = False
 
 
+def plan_places_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
+    """Whether plan.json's placements say the experts split (one placement per mesh dim:
+    the default, all-TP ``moe_ep = 1`` or all-EP ``moe_tp = 1``;
+    :func:`shardc.backends.layout.resplit_expert_placements`); compile refuses the others,
+    so the searches sweep only these (``shardc simulate`` prices any)."""
+    mt, me = int(moe_tp), int(moe_ep)
+    return (mt, me) == (int(tp), int(ep)) or (mt * me == int(tp) * int(ep) and 1 in (mt, me))
+
+
 def dtensor_runs_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
     """THE one place saying which experts splits ``moe_tp x moe_ep`` over tp x ep ranks the
     DTensor backend (``parallelize.py`` and the fast runtime) runs: the default (``moe_tp =
@@ -167,7 +176,8 @@ def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,
 def searched_splits(space: StrategySpace, runtime: str) -> list[int]:
     """The ``moe_tp`` values (ascending) whose fixed-split copies of ``space``
     (:func:`shardc.ir.space.with_experts_split`) hold some experts split other than (tp, ep)
-    that ``runtime`` runs (:func:`experts_split_ok`; ``"any"``: some engine runs it) at a
+    that ``runtime`` runs (:func:`experts_split_ok`; ``"any"``: some engine runs it) and
+    plan.json places (:func:`plan_places_split`: all-TP or all-EP) at a
     (tp, ep) pair of ``space``: the splits a search sweeps as an outer loop besides
     ``space`` itself. Empty for a dense model, a space whose user fixed the split or sp on,
     and ``"dtensor"`` unless :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`."""
@@ -191,7 +201,8 @@ def searched_splits(space: StrategySpace, runtime: str) -> list[int]:
                 me = group // mt
                 if int(space.graph.config["num_experts"]) % me:
                     continue
-                if any(experts_split_ok(r, tp, ep, mt, me, dense) for r in runtimes):
+                if plan_places_split(tp, ep, mt, me) and any(
+                        experts_split_ok(r, tp, ep, mt, me, dense) for r in runtimes):
                     out.add(mt)
     return sorted(out)
 

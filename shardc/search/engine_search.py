@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardc.ir.engines import EngineMode, mode_spaces, split_spaces
+from shardc.ir.engines import EngineMode, mode_spaces, plan_places_split, split_spaces
 from shardc.search import SWEEPS, SearchResult, cost_model_objective, run_search
 from shardc.search.baselines import sweep_actions
 from shardc.search.exact import EXACT_TIME_LIMIT_S
@@ -55,14 +55,22 @@ def engine_mode_spaces(space, engine: str, resplit: bool = True
     out = []
     for i, sp in enumerate(split_spaces(space, engine) if resplit else [space]):
         for mode, ms in mode_spaces(sp, engine):
-            if i:
-                pairs = tuple((t, e) for t, e in ms.allowed_tp_ep
-                              if tuple(int(x) for x in sp.experts_split(t, e)) != (t, e))
-                if not pairs:
-                    continue
-                ms.allowed_tp_ep = pairs
+            pairs = tuple((t, e) for t, e in ms.allowed_tp_ep if _kept(sp, t, e, i > 0))
+            if not pairs:
+                continue
+            ms.allowed_tp_ep = pairs
             out.append((mode, ms, sp))
     return out
+
+
+def _kept(space, tp: int, ep: int, resplit_copy: bool) -> bool:
+    """Whether the (tp, ep) pair stays in a mode space: its experts split is one plan.json
+    places (:func:`shardc.ir.engines.plan_places_split`; a split fixed in the space, as the
+    serving search's, may give others), and in a re-split copy differs from (tp, ep)."""
+    mt, me = (int(x) for x in space.experts_split(tp, ep))
+    if (mt, me) == (tp, ep):
+        return not resplit_copy
+    return plan_places_split(tp, ep, mt, me)
 
 
 def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int = 0,
