@@ -202,3 +202,21 @@ def test_a_split_whose_derived_half_does_not_divide_is_an_invalid_row():
     _, _, _, _, space, _ = _setup(MIXTRAL, mesh="8x128", fixed={"moe_tp": 4}, phase="decode")
     mt, me = space.experts_split([8, 2], [8, 2])
     assert (int(mt[0]), int(me[0])) == (0, 0) and (int(mt[1]), int(me[1])) == (4, 1)
+
+
+def test_the_baselines_split_copies_hold_only_placeable_resplits():
+    """Mixtral 8x1: the best-practice baseline's re-split copies (``split_spaces(space,
+    "any")``) hold only all-TP / all-EP pairs, so the baseline never reports a split compile
+    would refuse (moe_tp and moe_ep both > 1)."""
+    from shardc.search import cost_model_objective
+
+    _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode")
+    for sp in split_spaces(space, "any")[1:]:
+        assert sp.allowed_tp_ep
+        for t, e in sp.allowed_tp_ep:
+            mt, me = (int(x) for x in sp.experts_split(t, e))
+            assert (mt, me) != (t, e) and 1 in (mt, me)
+    default = run_search("best_practice", space, cost_model_objective(cm, space))
+    got = best_practice_over_splits(space, cm, default, budget=1, seed=0)
+    d = (got.space or space).decode(got.best_action).degrees
+    assert not d.experts_resplit or 1 in (d.moe_tp, d.moe_ep)

@@ -208,10 +208,24 @@ def searched_splits(space: StrategySpace, runtime: str) -> list[int]:
 
 
 def split_spaces(space: StrategySpace, runtime: str) -> list[StrategySpace]:
-    """``space`` then its fixed-split copies for :func:`searched_splits` (``runtime``)."""
+    """``space`` then its fixed-split copies for :func:`searched_splits` (``runtime``), each
+    holding only the (tp, ep) pairs whose split differs from (tp, ep) (``space`` has those)
+    and is one plan.json places (:func:`plan_places_split`)."""
     from shardc.ir.space import with_experts_split
 
-    return [space] + [with_experts_split(space, mt) for mt in searched_splits(space, runtime)]
+    out = [space]
+    for mt in searched_splits(space, runtime):
+        sp = with_experts_split(space, mt)
+        pairs = []
+        for tp in sp.values["tp"]:
+            for ep in sp.values["ep"]:
+                smt, sme = (int(x) for x in sp.experts_split(tp, ep))
+                if (smt, sme) != (tp, ep) and plan_places_split(tp, ep, smt, sme) and (
+                        space.allowed_tp_ep is None or (tp, ep) in space.allowed_tp_ep):
+                    pairs.append((int(tp), int(ep)))
+        sp.allowed_tp_ep = tuple(pairs)
+        out.append(sp)
+    return out
 
 
 def degree_pairs(space: StrategySpace, mode: EngineMode, tps) -> tuple[tuple[int, int], ...]:
