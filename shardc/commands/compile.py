@@ -214,7 +214,7 @@ def summary_table(plan) -> str:
     ]
     rt = pred.get("runtime") or {}
     engine = pred.get("tpot_ms") if plan.workload.get("phase") != "prefill" else None
-    runs = (plan.backend or {}).get("runs", True)  # no parallelize.py written: no such line
+    runs = (getattr(plan, "backend", None) or {}).get("runs", True)  # no parallelize.py: no line
     if runs and rt.get("step_ms") is not None and engine and abs(rt["step_ms"] / engine - 1) > 0.10:
         rows.insert(3, ["parallelize.py step (ms)",  # the emitted runtime's, > 10% apart
                         f"{number_or_dash(rt['step_ms'], '.2f')} (host overhead "
