@@ -84,6 +84,7 @@ class PoolObjective(CostModelObjective):
         self.last_violation = self.cost_model.violation(
             ev, wl.tpot_slo_ms if self.role != "prefill" else None,
             wl.ttft_slo_ms if self.role != "decode" else None, ttft)
+        self.last_memory = self.cost_model.memory_ratio(ev)
         return np.asarray(ev.tok_s_per_gpu, float), ok
 
     def feasible(self, r: dict, tpot_slo: float, ttft_slo: float) -> np.ndarray:

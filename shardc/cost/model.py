@@ -429,6 +429,12 @@ class CostModel:
         return paged_kv_tokens(wl.isl, wl.osl, resident_seqs,
                                PAGE_TOKENS.get(self.kernel_options["engine"], 1))
 
+    def memory_ratio(self, ev: Evaluation) -> np.ndarray:
+        """[B] model bytes per GPU (weights, KV cache, activations; the workspace excluded) /
+        usable HBM: <= 1 when the strategy fits."""
+        model_bytes = np.asarray(ev.memory_gb_per_gpu, float) * 1e9 - self.hw.workspace_gb * 1e9
+        return model_bytes / self.hw.usable_hbm_bytes
+
     def violation(self, ev: Evaluation, tpot_slo_ms: float | None, ttft_slo_ms: float | None,
                   ttft_ms=None) -> np.ndarray:
         """[B] how far each evaluated strategy is from feasible: ``max(model bytes / usable
@@ -436,8 +442,7 @@ class CostModel:
         or a NaN latency is not checked; ``ttft_ms`` overrides ``ev``'s), ``inf`` for a
         discrete failure (degrees, op choices, batch split); <= 0 when every continuous check
         passes. The row polisher's repair step minimises it (:mod:`shardc.search.polish`)."""
-        model_bytes = np.asarray(ev.memory_gb_per_gpu, float) * 1e9 - self.hw.workspace_gb * 1e9
-        ratios = [model_bytes / self.hw.usable_hbm_bytes]
+        ratios = [self.memory_ratio(ev)]
         ttft = np.asarray(ev.ttft_ms if ttft_ms is None else ttft_ms, float)
         for lat, slo in ((np.asarray(ev.tpot_ms, float), tpot_slo_ms), (ttft, ttft_slo_ms)):
             if slo is not None and np.isfinite(slo) and slo > 0:

@@ -90,6 +90,8 @@ class CostModelObjective:
         wl = self.cost_model.workload
         # how far from feasible (CostModel.violation), read by the row polisher's repair
         self.last_violation = self.cost_model.violation(ev, wl.tpot_slo_ms, wl.ttft_slo_ms)
+        # model bytes / usable HBM, read by the row polisher's lean screen
+        self.last_memory = self.cost_model.memory_ratio(ev)
         return np.asarray(ev.tok_s_per_gpu, dtype=np.float64), np.asarray(ev.feasible, dtype=bool)
 
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from shardc.ir.contract import BRANCHES
 from shardc.ir.space import megatron_op_choices
+from shardc.search.lean_screen import lean_screen
 from shardc.search.legal import BATCH, EP, N_DEG, PP, SP, TP, LegalSampler
 from shardc.search.objective import Budget
 
@@ -81,6 +82,7 @@ class Archive:
         # action, the best raw value of a row within REPAIR_VIOLATION of feasible)
         self.near: dict[tuple[int, ...], tuple[float, np.ndarray, float]] = {}
         self.feasible_tuples: set[tuple[int, ...]] = set()
+        self.memory: dict[bytes, float] = {}  # model bytes / usable HBM, when reported
 
     def row_keys(self, actions: np.ndarray) -> list[tuple[int, ...]]:
         d = self.space.degree_arrays(np.atleast_2d(actions))
@@ -88,10 +90,15 @@ class Archive:
         return [tuple(int(x) for x in row) for row in cols]
 
     def record(self, actions: np.ndarray, values: np.ndarray, feasible: np.ndarray,
-               violation: np.ndarray | None = None) -> None:
+               violation: np.ndarray | None = None, memory: np.ndarray | None = None) -> None:
         """Record evaluated ``actions``; ``violation`` (the objective's ``last_violation``,
-        when it has one) feeds the repair step's ``near`` rows."""
+        when it has one) feeds the repair step's ``near`` rows; ``memory`` (its
+        ``last_memory``: model bytes / usable HBM) the lean screen
+        (:mod:`shardc.search.lean_screen`)."""
         keys = self.row_keys(actions) if len(actions) else []
+        if memory is not None and len(memory) == len(keys):
+            for a, m in zip(actions, memory):
+                self.memory[a.tobytes()] = float(m)
         if violation is None or len(violation) != len(keys):
             violation = np.full(len(keys), np.inf)
         for a, v, f, key, viol in zip(actions, values, feasible, keys, violation):
@@ -150,8 +157,9 @@ class RowPolisher:
         if new:
             batch = np.array(new, dtype=np.int64)
             v, f = self.budget(batch)  # may evaluate fewer when the budget runs out
-            self.archive.record(batch[:len(v)], v, f,
-                                getattr(self.budget.objective, "last_violation", None))
+            obj = self.budget.objective
+            self.archive.record(batch[:len(v)], v, f, getattr(obj, "last_violation", None),
+                                getattr(obj, "last_memory", None))
             for a in batch[:len(v)]:
                 for i in where[a.tobytes()]:
                     values[i] = self.archive.seen[a.tobytes()]
@@ -380,6 +388,7 @@ class RowPolisher:
         near rows promise more than the next row is repaired first (:meth:`repair`)."""
         if not self.archive.rows:
             self.screen()
+        screened = False
         while self.budget.remaining > 0:
             nxt = self.next_row()
             # the best row is polished first; then the most promising repair, if it promises
@@ -398,6 +407,9 @@ class RowPolisher:
             self.expand(best)
             if best_v >= self.budget.best_value:
                 self.repair_next_batch(best)
+            if not screened:  # once, after the best row: the tuples the agent left unfit
+                screened = True
+                lean_screen(self)
 
     def repair_next_batch(self, action: np.ndarray) -> None:
         """The best strategy's next larger batch, when it came back infeasible but within

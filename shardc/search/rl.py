@@ -198,7 +198,8 @@ def _agent(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig,
             values, feasible = budget(actions)
             if archive is not None:
                 archive.record(actions[:len(values)], values, feasible,
-                               getattr(budget.objective, "last_violation", None))
+                               getattr(budget.objective, "last_violation", None),
+                               getattr(budget.objective, "last_memory", None))
             used += len(values)
             ref = budget.best_value if budget.best_value > 0 else 1.0
             rewards = rewards_for(values, feasible, ref, best_before, cfg)
