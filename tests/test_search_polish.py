@@ -159,3 +159,50 @@ def test_repair_brings_a_near_tuple_under_its_limit_and_finds_its_batches():
     assert best[TP] == near[TP] and tuple(best[ATTN]) == (2, 2, 2)
     assert best[BATCH] == sampler.nvec[BATCH] - 1  # the repaired choices at every batch
     assert found[False][TP] != near[TP]  # without the violation signal the tuple stays out
+
+
+class KvCliff:
+    """A model that barely fits: memory (``last_memory``, model bytes / usable HBM) =
+    0.3 per attention slot not replicated + batch / 64, so Megatron's choices fit only a
+    token batch and the fully replicated attention (the lean choices here) fits up to batch
+    64; value = batch, x2 at tp = 2. With ``memory=False`` the objective reports no memory."""
+
+    op_choices_free_at_tp1 = False
+
+    def __init__(self, space, memory=True):
+        self.space, self.memory = space, memory
+        self.tp2 = space.values["tp"].index(2)
+
+    def __call__(self, actions):
+        a = np.atleast_2d(actions)
+        batch = np.asarray(self.space.values["batch"])[a[:, BATCH]]
+        mem = 0.3 * (a[:, ATTN] != 2).sum(axis=1) + batch / 64.0
+        if self.memory:
+            self.last_memory = mem
+        return batch * np.where(a[:, TP] == self.tp2, 2.0, 1.0), mem <= 1.0
+
+
+def test_lean_screen_takes_unfit_tuples_to_their_largest_batch_with_lean_choices():
+    from shardc.search.lean_screen import lean_screen
+
+    space = toy_space()
+    sampler, start = _start(space, tp_value=4)  # a feasible row at tp = 4, batch 1
+    assert (start[ATTN] != 2).any()
+    found = {}
+    for memory in (True, False):
+        obj = KvCliff(space, memory)
+        budget = Budget(obj, 4000)
+        archive = Archive(space)
+        v, f = budget(start[None])
+        archive.record(start[None], v, f, None, getattr(obj, "last_memory", None))
+        assert f[0]
+        polisher = RowPolisher(sampler, budget, archive)
+        lean_screen(polisher)
+        found[memory] = (archive, budget.evaluations)
+    archive, spent = found[True]
+    at64 = [key for key, (val, a) in archive.rows.items()
+            if key[0] == 2 and key[4] == 64 and tuple(a[ATTN]) == (2, 2, 2)]
+    assert at64  # a tp = 2 tuple at batch 64 (the largest that fits), attention replicated
+    assert all(key[4] <= 64 for key in archive.rows)
+    assert spent <= 2000  # half the budget at most
+    assert found[False][1] == 1  # no memory reported: nothing screened
