@@ -28,7 +28,9 @@ once the agent has mapped the landscape:
    (x 2**j, j in {-1, 0, 1}; the legal batch nearest in log2) -- once with the polished choices (an illegal one replaced by
    Megatron's) and once with Megatron's choices at the new tp; one batched call.
 3. The next row is the unpolished row with the best value seen (by the agent or by steps
-   1-2); repeat until the budget is spent or every row seen is polished.
+   1-2); repeat until the budget is spent or every row seen is polished. Once, after the
+   first row, the lean screen (:mod:`shardc.search.lean_screen`) adds rows for the degree
+   tuples the agent left without a feasible one.
 
 When the agent found nothing feasible (a feasible set of a few in ten thousand, e.g. a long
 context under tight SLOs), the rows start from a screen (:meth:`RowPolisher.screen`): every

@@ -60,7 +60,10 @@ over branches at fixed degrees), applies the improving branches together, then c
 polished choices to the neighbouring rows (batch +-1, sp toggled, factor moves with the
 batch rescaled). It makes the joint 3-4-component op changes a row's optimum often needs,
 which 1-2-component neighbours and the heads' independent draws rarely do. Every evaluation
-counts; none is repeated. When every row seen is polished, the agent spends what is left.
+counts; none is repeated. After the best row, the polisher's lean screen
+(:mod:`shardc.search.lean_screen`) tries every degree tuple the agent left without a feasible
+row with the per-branch memory-leanest op choices at its largest feasible batch. When every
+row seen is polished, the agent spends what is left.
 
 Every default of :class:`RLConfig` beyond the paper's recipe was adopted on measurements
 (fraction of the exact optimum over seeds, paper and zoo suites); the dated ablation log,
