@@ -27,7 +27,8 @@ The screen (:func:`lean_screen`, once, after the best row is polished):
    choices, the tuple's smallest splitting batch first (infeasible: the tuple is left to the agent and the repair step --
    the lean choices at the smallest batch are the least memory the tuple can hold), then a
    bisection over its splitting batches for the largest feasible one (memory and step time
-   grow with the batch). About ``log2(batches)`` evaluations per tuple that fits.
+   grow with the batch). About ``log2(batches)`` evaluations per tuple that fits; the
+   tuples of one replica count are bisected in lock step, one batched call per round.
 
 The rows found enter the archive, so the best-first polish (:class:`RowPolisher`) then
 takes the best of them: value-optimal choices at a batch where the tuple's memory binds.
@@ -138,31 +139,33 @@ def lean_screen(polisher) -> None:
     todo = [i for i in np.argsort(dp, kind="stable") if keys[i] not in archive.feasible_tuples]
     tps = sorted({int(tuples[i, 0]) for i in todo} - {polisher.free_tp})
     found = lean_ops(polisher, tps[-1], tuples) if tps else None
-    lean: dict[int, np.ndarray | None] = {}
+    jobs = []  # [base, its splitting batches, lo, hi, dp]: batches[lo] fits, [hi] does not
     for i in todo:
-        tup = tuples[i]
-        t = int(tup[0])
-        if budget.evaluations >= stop:
+        t = int(tuples[i, 0])
+        ops = _lean_at(polisher, t, found)
+        batches = _splitting_batches(polisher, tuples[i])
+        if ops is not None and len(batches):
+            base = np.zeros(polisher.sampler.n_comp, dtype=np.int64)
+            base[[TP, EP, PP, SP]] = tuples[i]
+            base[N_DEG:] = ops
+            jobs.append([base, batches, -1, len(batches), int(dp[i])])
+    # per replica count, fewest first: the smallest splitting batch of every tuple, then a
+    # bisection, in lock step (one call per round; rows in the order above, cut at the
+    # screen's share)
+    while budget.evaluations < stop:
+        active = [j for j in jobs if j[3] - j[2] > 1]
+        if not active:
             return
-        if t not in lean:
-            lean[t] = _lean_at(polisher, t, found)
-        if lean[t] is None or keys[i] in archive.feasible_tuples:
-            continue
-        batches = _splitting_batches(polisher, tup)
-        if not len(batches):
-            continue
-        base = np.zeros(polisher.sampler.n_comp, dtype=np.int64)
-        base[[TP, EP, PP, SP]] = tup
-        base[N_DEG:] = lean[t]
-
-        def fits(j: int) -> bool:
-            a = base.copy()
-            a[BATCH] = batches[j]
-            return bool(np.isfinite(polisher.evaluate(a[None])[0]))
-
-        if not fits(0):
-            continue
-        lo, hi = 0, len(batches)  # batches[lo] fits; batches[hi] (if any) does not
-        while hi - lo > 1 and budget.evaluations < stop:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        active = [j for j in active if j[4] == active[0][4]]
+        active = active[:stop - budget.evaluations]
+        rows = np.array([j[0] for j in active])
+        mids = [0 if j[2] < 0 else (j[2] + j[3]) // 2 for j in active]
+        rows[:, BATCH] = [j[1][m] for j, m in zip(active, mids)]
+        ok = np.isfinite(polisher.evaluate(rows))
+        for j, m, fit in zip(active, mids, ok):
+            if fit:
+                j[2] = m
+            elif j[2] < 0:  # the smallest batch does not fit: the tuple is left out
+                j[2], j[3] = 0, 0
+            else:
+                j[3] = m
