@@ -144,6 +144,10 @@ def test_reason_codes_and_text():
     assert set(np.unique(ev.reason)) >= {OK, NO_MEMORY}
     assert all(cm.reason_text(r) for r in range(7))
     assert (ev.feasible == (ev.reason == OK)).all()
+    # the memory ratio the polisher's lean screen reads: over 1 for every HBM miss, and
+    # never for a feasible strategy (a discrete failure may hide an HBM miss)
+    ratio = cm.memory_ratio(ev)
+    assert (ratio[ev.reason == NO_MEMORY] > 1).all() and (ratio[ev.feasible] <= 1).all()
 
 
 def test_chrome_trace_lanes_per_stage():
