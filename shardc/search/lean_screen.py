@@ -87,6 +87,8 @@ def lean_ops(polisher, tp_idx: int, tuples: np.ndarray) -> np.ndarray | None:
     base[[TP, EP, PP, SP]] = ref
     base[BATCH] = batches[0]
     base[N_DEG:] = mega
+    if not polisher.sampler.legal(base[None])[0]:  # e.g. an engine's mode space
+        return None
     acts, owner = [base[None]], [-1]
     for g, cols in enumerate(polisher.groups):
         combos = polisher._combos(tp_idx, cols)
@@ -148,6 +150,8 @@ def lean_screen(polisher) -> None:
             base = np.zeros(polisher.sampler.n_comp, dtype=np.int64)
             base[[TP, EP, PP, SP]] = tuples[i]
             base[N_DEG:] = ops
+            if not polisher.sampler.legal(base[None])[0]:
+                continue
             jobs.append([base, batches, -1, len(batches), int(dp[i])])
     # per replica count, fewest first: the smallest splitting batch of every tuple, then a
     # bisection, in lock step (one call per round; rows in the order above, cut at the
