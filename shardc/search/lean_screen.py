@@ -24,16 +24,17 @@ The screen (:func:`lean_screen`, once, after the best row is polished):
    tp > 1, so the other tps take the same choices where legal (else Megatron's); at a tp
    whose op choices are free (tp = 1) Megatron's choices are the lean ones.
 2. **Largest feasible batch per tuple** (the fewest replicas first): with the lean
-   choices, the tuple's smallest splitting batch first (infeasible: the tuple is left to the agent and the repair step --
-   the lean choices at the smallest batch are the least memory the tuple can hold), then a
-   bisection over its splitting batches for the largest feasible one (memory and step time
-   grow with the batch). About ``log2(batches)`` evaluations per tuple that fits; the
-   tuples of one replica count are bisected in lock step, one batched call per round.
+   choices, the tuple's smallest splitting batch first (infeasible: the tuple is left to
+   the agent and the repair step -- the lean choices at the smallest batch are the least
+   memory the tuple can hold), then a bisection over its splitting batches for the largest
+   feasible one (memory and step time grow with the batch). About ``log2(batches)``
+   evaluations per tuple that fits; the tuples of one replica count are bisected in lock
+   step, one batched call per round.
 
 The rows found enter the archive, so the best-first polish (:class:`RowPolisher`) then
 takes the best of them: value-optimal choices at a batch where the tuple's memory binds.
-Deterministic: tuples by replicas then index, ties by row order. Every evaluation counts against the
-budget; at most :data:`SCREEN_SHARE` of what is left is spent here.
+Deterministic: tuples by replicas then index, ties by row order. Every evaluation counts
+against the budget; at most :data:`SCREEN_SHARE` of what is left is spent here.
 """
 
 from __future__ import annotations
