@@ -32,10 +32,12 @@ def plan_walks(choices: dict[str, str], degrees: Degrees) -> dict:
             if not all(f"{kind}.{op}" in choices for op in ops):
                 continue
             start, end = branch_ends(branch, res)
-            w = walk(ops, [index(f"{kind}.{op}", op) for op in ops], start, end)
-            branches[branch] = {"steps": _steps(w), "end": end}
+            idx = [index(f"{kind}.{op}", op) for op in ops]
+            branches[branch] = {"steps": _steps(walk(ops, idx, start, end)), "end": end}
             if branch == "experts" and degrees.experts_resplit:  # the all-gather dispatch
                 branches[branch]["gather"] = "tp" if degrees.moe_ep == 1 else "ep"
+            elif branch == "experts" and res != "R":  # the tp ranks' routed rows gathered
+                branches[branch]["whole_rows"] = _steps(walk(ops, idx, "R", "R"))
     out = {"residual": res, "kinds": kinds}
     for op in ("embedding", "lm_head"):
         start, end = branch_ends(op, res)

@@ -439,7 +439,10 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
         code = _style("router", s, res)
         if code and s.choice.parallel_style is not None:
             code = f"RouterParallel({code})"  # an HF router module computes its own top-k
-        for mod in lm.ops.get("router", []) if code else []:
+        routers = lm.ops.get("router", []) if code else []
+        for mod in routers:
+            if any(mod.startswith(m + ".") for m in routers):
+                continue  # a module inside the router (ERNIE's moe_statics): its own code
             kp.entries.append(Entry(mod, code, f"router {s.choice.name}: " + _collectives(
                 res, s.need, s.produced, s.after)))
         return

@@ -52,7 +52,7 @@ from shardc.runtime.local_ops import (
     rope,
 )
 from shardc.runtime.mla_local import PerHeadLatentAttention
-from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local
+from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local, shared_branch
 
 
 def _lm_config(model):
@@ -76,6 +76,30 @@ def _window(cfg, attn, i: int):
         return None
     w = getattr(attn, "sliding_window", None) or getattr(cfg, "sliding_window", None)
     return int(w) if w else None
+
+
+def _rope_interleaved(attn, d: int) -> bool:
+    """Whether the attention module's own ``apply_rotary_pos_emb`` (its modeling module's)
+    rotates adjacent pairs (ERNIE-4.5's GLM style: cos / sin halves repeated pairwise) rather
+    than the two halves (Llama's), told by running it once on a probe of head dim ``d``;
+    NotImplementedError for any other convention. Adjacent pairs are run as DeepSeek's
+    ``rope_interleave`` (q and k permuted alike: the scores are unchanged)."""
+    import sys
+
+    fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if fn is None:
+        return False
+    x = torch.arange(1.0, d + 1.0).view(1, 1, 1, d)
+    freqs = torch.linspace(0.3, 1.1, d // 2)
+    emb = torch.cat([freqs, freqs])
+    cos, sin = emb.cos().view(1, 1, d), emb.sin().view(1, 1, d)
+    got = fn(x, x, cos, sin)[0].float()
+    if torch.allclose(got, rope(x, cos, sin)):
+        return False
+    halves = got.view(1, 1, 1, d // 2, 2).transpose(-1, -2).reshape(1, 1, 1, d)
+    if torch.allclose(halves, rope(x, cos, sin, True)):
+        return True
+    raise NotImplementedError(f"the rotary embedding of {type(attn).__module__}")
 
 
 class Attention:
@@ -116,6 +140,7 @@ class Attention:
         self.scale = float(attn.scaling)
         self.window = _window(cfg, attn, i)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.interleave = _rope_interleaved(attn, self.d)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
         cache.add_heads(self.i, _held_rows(rows, self.core_need, self.tp), self.hkv_local,
@@ -147,7 +172,7 @@ class Attention:
         start = cache.start[layer.rows]
         if rope_tables is not None:  # rotary positions (GPT-2's are learned: embedded)
             cos, sin = rope_tables(positions(steps, start))
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q, k = rope(q, cos, sin, self.interleave), rope(k, cos, sin, self.interleave)
         layer.write(steps, k, v)
         if prefill:  # from an empty cache: the fresh keys are all there is
             keys, vals, kst = k, v, steps
@@ -192,6 +217,7 @@ class LatentAttention:
         self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
         self.bo = None if self.bo is None else _local(self.bo)
         self.scale = float(attn.scaling)
+        # adjacent pairs rotate (DeepSeek-V3's rope_interleave; V2's complex tables: new_cache)
         self.interleave = bool(getattr(cfg, "rope_interleave", False))
         self.window = _window(cfg, attn, i)
 
@@ -266,7 +292,8 @@ class Layer:
             attn, self.ln1, self.ln2 = (layer.self_attn, layer.input_layernorm,
                                         layer.post_attention_layernorm)
             names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
-                     "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm",
+                     "block_sparse_moe"}
         if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "kv_a_proj_with_mqa")):
             raise NotImplementedError(f"attention module {type(attn).__name__}")
         walk = kind_walk["attention"]
@@ -287,7 +314,7 @@ class Layer:
         extra = {n for n, _ in layer.named_children()} - names
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
-        mlp = layer.mlp
+        mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Granite-MoE's
         experts = GatheredExpertsLocal if "gather" in kind_walk.get("experts", {}) \
             else ExpertsLocal  # the experts split their own way: the all-gather dispatch
         self.experts = experts(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
@@ -295,10 +322,7 @@ class Layer:
         if not self.experts and not any(hasattr(mlp, a) for a in ("c_fc", "gate_proj")):
             raise NotImplementedError(f"MLP module {type(mlp).__name__}")
         self.mlp = None if self.experts else dense(mlp, kind_walk["mlp"], tp)
-        self.shared = (DenseMLP(mlp.shared_experts, kind_walk["shared_experts"], tp)
-                       if self.experts and "shared_experts" in kind_walk else None)
-        if self.experts and hasattr(mlp, "shared_expert"):
-            raise NotImplementedError("a gated shared expert (Qwen-MoE)")
+        self.shared = shared_branch(mlp, kind_walk, tp) if self.experts else None
 
     def __call__(self, h, residual, cache, steps, upto, rope_tables, prefill):
         x = norm_of(self.ln1, h)
@@ -332,6 +356,9 @@ class FastModel:
     def __init__(self, model, world_mesh, walks: dict, layer_kinds: dict):
         if hasattr(model, "stage") and hasattr(model.stage, "model"):
             model = model.stage.model
+        if not (hasattr(model, "model") or hasattr(model, "transformer")):  # e.g. GPT-MoE
+            raise NotImplementedError(f"{type(model).__name__}: not an HF causal LM layout "
+                                      "(model.model, or GPT-2's transformer)")
         self.cfg = cfg = _lm_config(model)
         names = tuple(world_mesh.mesh_dim_names or ())
         self.tp = Group(world_mesh["tp"] if "tp" in names else None)
@@ -397,8 +424,16 @@ class FastModel:
         for layer in self.layers.values():
             layer.attn.alloc(cache, rows)
         if self.rotary is not None:
-            cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
-                                   torch.arange(context, device=self.device)[None])
+            tables = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
+                                 torch.arange(context, device=self.device)[None])
+            if torch.is_tensor(tables) and tables.is_complex():  # DeepSeek-V2's e^(i pos freq):
+                for layer in self.layers.values():  # a complex product of adjacent pairs
+                    if not isinstance(layer.attn, LatentAttention):
+                        raise NotImplementedError("complex rotary tables outside MLA")
+                    layer.attn.interleave = True
+                tables = (torch.cat([tables.real] * 2, -1).to(self.dtype),
+                          torch.cat([tables.imag] * 2, -1).to(self.dtype))
+            cos, sin = tables
             self._tables = (cos[0], sin[0])
         return cache
 

@@ -1,14 +1,33 @@
 """Sparse MoE blocks on local weights for the fast runtime (torch only): the HF router module
-picks the experts (its own maths: softmax top-k, DeepSeek's sigmoid + group-limited top-k),
-tokens reach the experts' owners over ``ep`` with explicit functional all-to-alls, the
-experts' two matmuls run on this rank's shards (``col`` / ``row`` over tp, or whole), and
-the partial sums are repaired as the walk says.
+picks the experts (its own maths: softmax top-k, DeepSeek's sigmoid + score-correction bias +
+group-limited top-k, ERNIE's score bias, Phi-3.5-MoE's sparsemixer), tokens reach the experts'
+owners over ``ep`` with explicit functional all-to-alls, the experts' two matmuls run on this
+rank's shards -- any pair of ``col`` / ``row`` / ``rep`` choices over tp -- and the partial
+sums are repaired as the walk says.
+
+Router: a ``rep`` router is the module itself; a ``col`` / ``row`` router runs its own
+forward with its scores matmul on the local weight shard (``row``: on this rank's slice of
+the features), the scores made whole by the walk's collective (all-gather / all-reduce), the
+rest of its code on plain tensors (:class:`RouterLocal`).
+
+Experts (:class:`ExpertsLocal`), the walk's placements on the routed rows: the first matmul's
+input is a local slice of the dispatched rows (``row``: this rank's features), its output
+repaired to what the second matmul needs (``S(1) -> R`` all-gather, ``P -> R`` all-reduce,
+``P -> S(1)`` reduce-scatter, ``R -> S(1)`` a slice) before the gated activation
+``act(gate) * up``; the second's output, when not partial sums, is made whole before the
+combine (``S(1) -> R``: an all-gather of the routed rows), partial sums after the weighted
+top-k sum (on the tokens, not tokens x top_k) -- the layout the cost model charges
+(:mod:`shardc.cost.moe_dispatch`, ``"backend"``).
 
 Dispatch over ep: the routed (token, expert) pairs are sorted by expert, the per-expert
 counts exchanged (an eager ``all_to_all_single`` of ``E`` int64, read on the host at once:
 latency only, not charged by the cost model), the rows sent with one uneven ``all_to_all_single`` (exactly the routed rows:
 ``T x top_k x hidden``, the charged bytes) and returned with one more. The uneven split
 sizes are read on the host, so a decode step with ep > 1 is not captured as a CUDA graph.
+
+Shared experts (:func:`shared_branch`): DeepSeek's / ERNIE's ``shared_experts`` (a gated MLP
+on the same input, added) and Qwen2-MoE's ``shared_expert`` scaled per token by
+``sigmoid(shared_expert_gate(x))`` (a ``[1, hidden]`` weight kept whole on every rank).
 """
 
 from __future__ import annotations
@@ -25,40 +44,165 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _router_of(mlp):
+    """The MoE block's router module (``gate``: Mixtral, Qwen, DeepSeek, ERNIE; ``router``:
+    Phi-3.5-MoE, Granite-MoE)."""
+    router = getattr(mlp, "gate", None)
+    return router if router is not None else mlp.router
+
+
+class _LocalScores(torch.overrides.TorchFunctionMode):
+    """Active during a sharded router's own forward: its weight (and any dtype conversion of
+    it) is read as this rank's shard, and ``F.linear`` over it returns the whole scores
+    (:meth:`RouterLocal.scores`); every other op runs as written, on plain tensors."""
+
+    def __init__(self, router: RouterLocal):
+        super().__init__()
+        self.router = router
+        self.views = [router.weight, router.local]
+
+    def _is_view(self, t) -> bool:
+        return any(t is v for v in self.views)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.type, torch.Tensor.to, torch.Tensor.float) and args and \
+                self._is_view(args[0]):
+            out = func(self.router.local, *args[1:], **kwargs)  # a conversion of the shard
+            self.views.append(out)
+            return out
+        if func is F.linear and len(args) >= 2 and self._is_view(args[1]):
+            if (args[2] if len(args) > 2 else kwargs.get("bias")) is not None:
+                raise NotImplementedError("a sharded router with a bias")
+            w = self.router.local if args[1] is self.router.weight else args[1]
+            return self.router.scores(args[0], w)
+        return func(*args, **kwargs)
+
+
+class RouterLocal:
+    """An HF router module on this rank: ``rep`` -- the module; ``col`` / ``row`` -- its
+    class's forward (not the DTensor wrapper ``RouterParallel`` installed) with the scores
+    matmul on the local shard, the walk's repairs around it (see the module docstring).
+    ``__call__(x [T, h], residual) -> (logits, top_k_weights [T, k], top_k_index [T, k])``."""
+
+    def __init__(self, router, walk: dict, tp: Group):
+        (_, self.choice, self.need, self.produced), = walk["steps"]
+        self.end, self.tp, self.module = walk["end"], tp, router
+        self.weight = router.weight
+        self.local = _local(router.weight)
+        self.residual = "R"
+
+    def scores(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The whole scores ``[T, E]`` of ``x [T, h]`` (whole) over shard ``w``."""
+        y = F.linear(repair(x, self.residual, self.need, self.tp), w)
+        y = repair(y, self.produced, self.end, self.tp)
+        return y.wait() if hasattr(y, "wait") else y
+
+    def __call__(self, x: torch.Tensor, residual: str):
+        if self.choice == "rep":
+            return self.module(x)
+        self.residual = residual
+        with _LocalScores(self):
+            return type(self.module).forward(self.module, x)
+
+
+def _grouped(rows: torch.Tensor, counts: list[int], w: torch.Tensor) -> torch.Tensor:
+    """``rows`` grouped by local expert (``counts[e]`` rows of expert e) through ``w[e]``
+    (``[E_local, out, in]``)."""
+    out, i = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append(F.linear(rows[i:i + n], w[e]))
+        i += n
+    return torch.cat(out, 0) if out else rows.new_zeros(0, w.shape[1])
+
+
 class ExpertsLocal:
-    """One MoE block's routed experts on this rank: ``gate_up [E_local, 2f_local, h]``
-    (this rank's gate slice then up slice), ``down [E_local, h, f_local]``."""
+    """One MoE block's routed experts on this rank: ``gate_up [E_local, 2f or 2f/tp, h or
+    h/tp]`` (a ``col`` cut -- and a ``row`` one whose output is reduce-scattered -- holds this
+    rank's gate slice then up slice), ``down [E_local, h or h/tp, f or f/tp]``, as the pair of
+    choices cut them (the module docstring says what moves between them)."""
 
     def __init__(self, mlp, walk: dict, tp: Group, ep: Group):
-        steps = walk["experts"]["steps"]
-        self.choices = tuple(s[1] for s in steps)
-        if self.choices not in (("col", "row"), ("rep", "rep")):
-            raise NotImplementedError(f"experts {'/'.join(self.choices)} (the fast runtime "
-                                      "runs col/row and rep/rep experts)")
-        if walk["router"]["steps"][0][1] != "rep":
-            raise NotImplementedError("a sharded router (the fast runtime runs rep routers)")
+        ex = walk["experts"]
+        (_, c1, _, _), (_, c2, _, _) = ex["steps"]
+        self.choices = (c1, c2)
+        # sequence parallelism: each tp rank dispatches its own rows; a pair that splits the
+        # experts over tp then runs on the tp ranks' received rows gathered (the walk from a
+        # whole residual, ``whole_rows``), a rep/rep pair on its own rows (no tp collective)
+        self.token_rows = "whole_rows" in ex
+        self.gather_rows = self.token_rows and self.choices != ("rep", "rep") and bool(tp)
+        steps = ex["whole_rows"] if self.gather_rows else ex["steps"]
+        (_, _, self.need1, self.prod1), (_, _, self.need2, self.prod2) = steps
+        self.src = "S(0)" if self.token_rows and not self.gather_rows else "R"
         self.walk, self.tp, self.ep = walk, tp, ep
-        self.router = mlp.gate
+        self.router = RouterLocal(_router_of(mlp), walk["router"], tp)
         experts = mlp.experts
         self.gate_up, self.down = _local(experts.gate_up_proj), _local(experts.down_proj)
         self.act = experts.act_fn
         self.num_experts = int(self.router.weight.shape[0])
         self.local_experts = self.gate_up.shape[0]
+        f = int(experts.down_proj.shape[-1])  # the whole intermediate width
+        # the packed gate|up widths the repairs keep (S(1): [g_r | u_r]); a row/row gate_up
+        # was placed with its outputs in rank order, so its partial sums scatter as they are
+        self.parts = None if (c1, c2) == ("row", "row") else (f, f)
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (``counts`` per expert) through their experts."""
-        out, i = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                g, u = F.linear(rows[i:i + n], self.gate_up[e]).chunk(2, -1)
-                out.append(F.linear(self.act(g) * u, self.down[e]))
-            i += n
-        return torch.cat(out, 0) if out else rows.new_zeros(0, self.down.shape[1])
+        """Rows grouped by local expert (``counts`` per expert) through their experts; the
+        output at the placement the combine carries (``P`` or ``R``)."""
+        tp = self.tp
+        h = _grouped(repair(rows, self.src, self.need1, tp), counts, self.gate_up)
+        if rows.shape[0] and tp:  # every tp rank holds the same rows: all skip or none
+            h = repair(h, self.prod1, self.need2, tp, self.parts)
+        g, u = h.chunk(2, -1)
+        y = _grouped(self.act(g) * u, counts, self.down)
+        if self.prod2 == "S(1)" and rows.shape[0] and tp:
+            y = repair(y, "S(1)", "R", tp)  # whole rows before the combine
+        return y
+
+    def _run_gathered(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Sequence parallelism: this tp rank's received ``rows`` (``counts`` per local
+        expert) and the other tp ranks' -- per-expert counts all-gathered first (``E_local``
+        int64, read on the host), rows padded to the largest rank's count (exact when
+        balanced) and all-gathered -- run through :meth:`_run`; this rank's rows of the
+        output come back whole (partial sums reduce-scattered)."""
+        tp, n = self.tp, self.tp.size
+        mine = torch.tensor(counts, dtype=torch.long, device=rows.device)
+        every = mine.repeat(n)  # overwritten (a fake process group: all ranks as this one)
+        dist.all_gather_into_tensor(every, mine, group=tp.pg)
+        per_rank = every.view(n, -1).tolist()
+        sizes = [sum(c) for c in per_rank]
+        m = max(sizes)
+        if m == 0:  # no rank received a row (every tp rank knows it)
+            return rows.new_zeros(0, rows.shape[1])
+        padded = rows.new_zeros(m, rows.shape[1])
+        padded[:rows.shape[0]] = rows
+        got = funcol.all_gather_single(padded, 0, tp.pg)
+        every_rows = torch.cat([got[i * m:i * m + c] for i, c in enumerate(sizes)])
+        ids = torch.cat([torch.repeat_interleave(torch.arange(len(c), device=rows.device),
+                                                 torch.tensor(c, device=rows.device))
+                         for c in per_rank])
+        order = torch.argsort(ids, stable=True)  # every rank's rows, grouped by expert
+        totals = [sum(c[j] for c in per_rank) for j in range(len(counts))]
+        y = self._run(every_rows[order], totals)
+        back = torch.empty_like(y).index_copy_(0, order, y)
+        start = sum(sizes[:tp.rank])
+        if self.prod2 != "P":
+            return back[start:start + rows.shape[0]]
+        pad = y.new_zeros(n * m, y.shape[1])
+        offsets = [sum(sizes[:i]) for i in range(n)]
+        for i, c in enumerate(sizes):
+            pad[i * m:i * m + c] = back[offsets[i]:offsets[i] + c]
+        out = funcol.reduce_scatter_tensor(pad, "sum", 0, tp.pg)
+        return out[:rows.shape[0]]
+
+    def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self._run_gathered(rows, counts) if self.gather_rows else self._run(rows, counts)
 
     def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        _, weights, idx = self.router(x2)
+        _, weights, idx = self.router(x2, residual)
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -67,7 +211,7 @@ class ExpertsLocal:
         counts = torch.bincount(flat, minlength=self.num_experts)
         n_ep, e_l = self.ep.size, self.local_experts
         if self.ep:
-            got_counts = torch.empty_like(counts)  # read on the host next: an eager exchange
+            got_counts = counts.clone()  # overwritten by the exchange, read on the host next
             dist.all_to_all_single(got_counts, counts, group=self.ep.pg)
             send = counts.view(n_ep, e_l).sum(1).tolist()
             recv_by_src = got_counts.view(n_ep, e_l)
@@ -76,14 +220,16 @@ class ExpertsLocal:
             eid = torch.arange(e_l, device=x.device).repeat(n_ep)
             eid = torch.repeat_interleave(eid, recv_by_src.reshape(-1))
             by_expert = torch.argsort(eid, stable=True)
-            y = self._run(got[by_expert], recv_by_src.sum(0).tolist())
+            y = self._experts(got[by_expert], recv_by_src.sum(0).tolist())
             y = torch.empty_like(y).index_copy_(0, by_expert, y)
             back = funcol.all_to_all_single(y.contiguous(), send, recv, self.ep.pg)
         else:
-            back = self._run(rows, counts.tolist())
+            back = self._experts(rows, counts.tolist())
         scaled = back * weights.reshape(-1)[order, None].to(back.dtype)
         out = x2.new_zeros(t, shape[-1]).index_add_(0, tok, scaled.to(x2.dtype))
-        produced = self.walk["experts"]["steps"][-1][3]
+        if self.token_rows:  # this rank's rows, whole: the residual's placement
+            return out.view(shape)
+        produced = "P" if self.prod2 == "P" else "R"
         return repair(out.view(shape), produced, residual, self.tp)
 
 
@@ -108,3 +254,25 @@ class DenseMLP:
         g, u = y.chunk(2, -1)
         y = linear(self.act(g) * u, self.w2, None, c2, self.tp)
         return repair(y, prod2, self.end, self.tp)
+
+
+class GatedShared:
+    """Qwen2-MoE's shared expert: a gated MLP (the walk's ``shared_experts`` branch) scaled
+    per token by ``sigmoid(x @ shared_expert_gate.T)`` (a ``[1, hidden]`` weight, whole)."""
+
+    def __init__(self, mlp, walk: dict, tp: Group):
+        self.mlp = DenseMLP(mlp.shared_expert, walk, tp)
+        self.gate = _local(mlp.shared_expert_gate.weight)
+
+    def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.gate)) * self.mlp(x, residual)
+
+
+def shared_branch(mlp, kind_walk: dict, tp: Group):
+    """The MoE block's shared experts on this rank (None: it has none)."""
+    if getattr(mlp, "shared_expert_gate", None) is not None:
+        return GatedShared(mlp, kind_walk["shared_experts"], tp)
+    module = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)
+    if module is None:
+        return None
+    return DenseMLP(module, kind_walk["shared_experts"], tp)

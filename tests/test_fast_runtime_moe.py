@@ -1,0 +1,301 @@
+"""The fast runtime's MoE side (``shardc/runtime/moe_local.py``) on 4 gloo ranks and 4 fake
+ranks: every expert choice pair besides col/row (each with a ``col``, ``row`` or ``rep``
+router), DeepSeek-V3's sigmoid / score-correction / group-limited router sharded ``col`` and
+``row``, and the MoE families whose blocks differ from Mixtral's -- Qwen2-MoE's gated shared
+expert, ERNIE-4.5's score bias and shared experts, Granite-MoE's ``block_sparse_moe`` and
+multipliers, Phi-3.5-MoE's sparsemixer router and LayerNorms, ERNIE's and DeepSeek-V2's
+adjacent-pair rotary (GLM-style / complex tables) -- from their config.json's tiny variant
+(``tests/family_matrix.py``; score-correction biases drawn, HF initialises them to 0).
+
+Each case's plan file places the weights; its own ``generate`` (greedy, 32 new tokens from
+left-padded prompts) must equal the unsharded HF model's tokens (full recompute per token,
+``test_fast_runtime.reference_greedy``), and one decode step on 4 fake ranks must issue
+exactly the cost model's collectives (kind, mesh dim, bytes), the ep count exchange
+(``E`` int64 per MoE layer) being the one exempt extra, as ``test_fast_runtime_bytes``.
+The runtime's last-position logits of the prompt prefill and of one cached decode step are
+compared too (relative 1e-4): the greedy tokens of a tiny random model can be blind to a wrong
+scale (a residual multiplier left out passes the token check). One launch runs every gloo case.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_backend_gloo import DEEPSEEK, DS_MEGATRON, MIXTRAL, MOE, _with
+
+M = "moe_block"
+TOL = 1e-4  # relative logits error (test_backend_gloo's)
+EP_TP = {"ep": 2, "tp": 2}
+# expert pairs other than col/row (rep/rep: test_fast_runtime's DeepSeek dense-free cases
+# run it too), each with a router choice, so every router choice meets a sharded pair
+PAIRS = [("col", "col", "row"), ("col", "rep", "col"), ("row", "col", "rep"),
+         ("row", "row", "col"), ("row", "rep", "row"), ("rep", "col", "col"),
+         ("rep", "row", "rep"), ("rep", "rep", "row")]
+CASES = {f"mixtral ep2 tp2 experts {a}/{b} router {r}":
+         (MIXTRAL, EP_TP, _with(MOE, M, expert_ffn1=a, expert_ffn2=b, router=r))
+         for a, b, r in PAIRS}
+CASES.update({
+    "deepseek tp4 router row, experts rep/row, shared row/col": (
+        DEEPSEEK, {"tp": 4}, _with(DS_MEGATRON, M, router="row", expert_ffn1="rep",
+                                   expert_ffn2="row", shared_ffn1="row", shared_ffn2="col")),
+})
+# sequence parallelism: each tp rank dispatches its own rows (runs once the fast runtime
+# takes a sequence-parallel residual; skipped while it refuses one)
+SP_CASES = {
+    "mixtral ep2 tp2 sp experts col/row": (MIXTRAL, {**EP_TP, "sp": 2}, MOE),
+    "mixtral tp4 sp experts rep/rep": (
+        MIXTRAL, {"tp": 4, "sp": 4}, _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep")),
+    "mixtral tp4 sp experts col/col router col": (
+        MIXTRAL, {"tp": 4, "sp": 4}, _with(MOE, M, expert_ffn1="col", expert_ffn2="col",
+                                           router="col")),
+    "mixtral tp4 sp experts row/col router row": (
+        MIXTRAL, {"tp": 4, "sp": 4}, _with(MOE, M, expert_ffn1="row", expert_ffn2="col",
+                                           router="row")),
+}
+CASES.update(SP_CASES)
+# config.json families (tiny variants): Megatron choices for every op the graph has
+MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col",
+            "ffn2": "row", "shared_ffn1": "col", "shared_ffn2": "row", "router": "rep",
+            "expert_ffn1": "col", "expert_ffn2": "row"}
+# name -> (examples/configs folder, choices other than MEGATRON's)
+FAMILIES = {
+    "deepseek-v3 group-limited router col, score bias": ("deepseek_v3", {"router": "col"}),
+    "qwen2-moe gated shared expert": ("qwen2_57b_a14b", {"router": "col"}),
+    "ernie-4.5 score bias, shared experts": ("ernie4_5_21b_a3b", {"router": "row"}),
+    "granite-moe multipliers": ("granite3_0_3b_a800m", {"expert_ffn1": "row",
+                                                        "expert_ffn2": "col"}),
+    "phi-3.5-moe sparsemixer, LayerNorm": ("phi3_5_moe", {"router": "col"}),
+    "deepseek-v2-lite complex rotary, router row": ("deepseek_v2_lite", {"router": "row"}),
+}
+# the tiny model of a family, its score-correction biases drawn (HF initialises them to 0,
+# which would leave the biased top-k untested): a model file of its own
+BIASED = '''"""{config} tiny, score-correction biases drawn (tests/test_fast_runtime_moe.py)."""
+import sys
+
+sys.path.insert(0, {tests!r})
+import torch  # noqa: E402
+from family_matrix import tiny_config  # noqa: E402
+
+from shardc.frontends.hf_build import build_causal_lm, token_ids  # noqa: E402
+
+
+def build_model():
+    model = build_causal_lm(tiny_config({path!r}), device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    return model
+
+
+def example_inputs():
+    return token_ids(256)
+
+
+tiny_model = build_model
+tiny_inputs = example_inputs
+'''
+NAMES = list(CASES) + list(FAMILIES)
+
+
+def _family_case(name: str, folder: Path):
+    """(model file, degrees, choices) of a config.json family's tiny variant."""
+    from family_matrix import config_path
+
+    from shardc.frontends import load_graph
+    from shardc.ir.contract import CHOICE_NAMES
+
+    config, override = FAMILIES[name]
+    model_file = folder / f"tiny_{config}.py"
+    model_file.write_text(BIASED.format(config=config, path=str(config_path(config)),
+                                        tests=str(Path(__file__).resolve().parent)))
+    model_file = str(model_file)
+    graph = load_graph(model_file, tiny=True)
+    choices = {"embedding": "vocab", "lm_head": "col"}
+    for k in graph.layer_kinds:
+        for op in k.ops:
+            if op.name in CHOICE_NAMES:
+                choices[f"{k.name}.{op.name}"] = override.get(op.name, MEGATRON[op.name])
+    return model_file, dict(EP_TP), choices
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("moe_families")
+    out = dict(CASES)
+    out.update({n: _family_case(n, folder) for n in FAMILIES})
+    return out
+
+
+def _logits_error(fast, ref_model, ids, mask, want) -> float:
+    """Largest |runtime - unsharded| / max |unsharded| of the last-position logits of the
+    prompt prefill and of one cached decode step (the first greedy token), this rank's rows."""
+    import torch
+    from test_fast_runtime import PROMPT
+
+    from shardc.runtime.generate import decode_step, left_padding
+
+    g = fast.batch
+    rows = slice(g.rank * ids.shape[0] // g.size, (g.rank + 1) * ids.shape[0] // g.size)
+    cache = fast.new_cache(rows.stop - rows.start, PROMPT + 2)
+    err = 0.0
+    with torch.no_grad():
+        cache.reset(left_padding(mask)[rows])  # the prompt written from an emptied cache
+        got = [fast.forward(ids[rows], cache, torch.arange(PROMPT), PROMPT, True)]
+        cache.advance(PROMPT)
+        got.append(decode_step(fast, cache, want[rows, PROMPT:PROMPT + 1]))
+        for i, n in enumerate((PROMPT, PROMPT + 1)):
+            m = torch.cat([mask, torch.ones_like(want[:, PROMPT:n])], 1)
+            pos = (m.cumsum(1) - 1).clamp_min(0)
+            ref = ref_model(input_ids=want[:, :n], attention_mask=m, position_ids=pos,
+                            use_cache=False).logits[rows, -1]
+            err = max(err, float((got[i][:, -1] - ref).abs().max() / ref.abs().max()))
+    return err
+
+
+def _worker(rank, world, port, payloads, out_dir):
+    """Per case: the plan file's own greedy ``generate`` against the unsharded model's (as
+    ``test_fast_runtime``), and the runtime's logits (:func:`_logits_error`): the greedy
+    tokens of a tiny random model can be blind to a wrong scale or rotation."""
+    import copy
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from test_fast_runtime import NEW, PROMPT, prompts, reference_greedy
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardc.backends.verify import _build, _vocab
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = []
+    try:
+        for p in payloads:
+            try:
+                ns: dict = {}
+                exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+                torch.manual_seed(0)
+                model, _ = _build(p["model"], 4, PROMPT)
+                ref_model = copy.deepcopy(model)
+                ids, mask = prompts(_vocab(model))
+                want = reference_greedy(ref_model, ids, mask, NEW)
+                mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                                        mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+                model = ns["parallelize"](model, world_mesh=mesh)
+                got = ns["generate"](model, ids, NEW, attention_mask=mask)
+                results.append({"equal": bool(torch.equal(got, want)),
+                                "got": got[:, PROMPT:].tolist(),
+                                "want": want[:, PROMPT:].tolist(),
+                                "logits_error": _logits_error(model._shardc_fast, ref_model,
+                                                              ids, mask, want)})
+            except Exception as e:  # reported per case
+                import traceback
+
+                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def launched(cases):
+    from test_fast_runtime import WORLD, plan_payload
+
+    from shardc.testing.launch import launch
+
+    payloads = [plan_payload(*cases[n]) for n in NAMES]
+    per_rank = launch(_worker, WORLD, (payloads,), 900,
+                      ("torch", "transformers", "shardc.runtime.fast"))
+    return {n: [r[i] for r in per_rank] for i, n in enumerate(NAMES)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generate_equals_unsharded(launched, name):
+    per_rank = launched[name]
+    if name in SP_CASES and "sequence parallelism" in per_rank[0].get("error", ""):
+        pytest.skip("the fast runtime refuses a sequence-parallel residual")
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}: {res.get('error')}"
+        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
+        assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
+    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+
+
+# under sequence parallelism, a row first matmul / col second: the routed rows are all-gathered
+# (S(0) -> R) where the walk charges an all-to-all (S(0) -> S(1) / S(1) -> S(0): docs/backend.md);
+# a col router's S(1) -> S(0) scores all-to-all is charged at the whole tensor's bytes, which
+# collective_record counts as this rank's send buffer (1 / tp of it)
+BYTES_DIFFER = {"mixtral tp4 sp experts row/col router row",
+                "mixtral tp4 sp experts col/col router col"}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in BYTES_DIFFER])
+def test_decode_step_collectives_are_the_cost_models(cases, name):
+    from test_backend_fake import assert_records_match
+    from test_fast_runtime_bytes import BATCH, _decode_records
+    from test_runtime_styles_bytes import charged
+
+    from shardc.backends.runtime_walks import plan_walks
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
+    from shardc.plan import build_plan
+
+    model_file, degrees, choices = cases[name]
+    graph = load_graph(model_file, tiny=True)
+    strategy = strategy_from_names(degrees, choices, BATCH)
+    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
+                      Workload(batch=BATCH, context=512))
+    walks = plan_walks({str(o["name"]): str(o["choice"]) for o in plan.ops}, strategy.degrees)
+    try:
+        got = _decode_records(plan, walks, model_file, strategy, name)
+    except NotImplementedError as e:
+        if name in SP_CASES and "sequence parallelism" in str(e):
+            pytest.skip("the fast runtime refuses a sequence-parallel residual")
+        raise
+    experts = int(graph.config.get("num_experts", 0) or 0)
+    moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
+    deg = strategy.degrees
+    extras = [("all_to_all", "ep", experts * 8)] if deg.ep > 1 else []
+    if name in SP_CASES and walks["kinds"][M]["experts"]["steps"][0][1] != "rep":
+        # the tp ranks' per-expert counts, all-gathered before their rows (E / ep int64)
+        extras.append(("all_gather", "tp", experts // deg.ep * 8 * deg.tp))
+    for extra in extras * moe_layers:
+        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
+        got.remove(extra)
+    assert got, name
+    assert_records_match(got, charged(graph, strategy), name)
+
+
+def test_gpt_moe_is_refused_with_a_reason():
+    """GPT-MoE (shardc's own plain-PyTorch model) is no HF layout the fast runtime runs:
+    building it is a NotImplementedError naming why (bench: exit 2), not an AttributeError."""
+    import importlib.util
+
+    import torch.distributed as dist
+    from test_backend_gloo import GPT_MOE
+    from test_fast_runtime import plan_payload
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardc.backends.verify import _build
+
+    p = plan_payload(GPT_MOE, EP_TP, MOE)
+    spec = importlib.util.spec_from_loader("fast_gpt_moe_refusal", loader=None)
+    code = importlib.util.module_from_spec(spec)
+    exec(compile(p["code"], "<gpt-moe parallelize.py>", "exec"), code.__dict__)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
+                                mesh_dim_names=tuple(code.MESH_DIM_NAMES))
+        model, ids = _build(GPT_MOE, 4, 6)
+        model = code.parallelize(model, world_mesh=mesh)
+        with pytest.raises(NotImplementedError, match="not an HF causal LM layout"):
+            code.generate(model, ids, 2)
+    finally:
+        dist.destroy_process_group()
