@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import shardc
-from shardc.commands.bench import cached_graph, load_suite
 from shardc.commands.bench_serve import _serve_workload
+from shardc.commands.suites import cached_graph, load_suite
 from shardc.cost import load_hardware
 from shardc.errors import InfeasibleError
 from shardc.ir.engines import ENGINE_NAMES, ENGINES

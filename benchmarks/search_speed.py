@@ -24,7 +24,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).with_name("search_speed.md")))
     args = ap.parse_args()
 
-    from shardc.commands.bench import cached_graph
+    from shardc.commands.suites import cached_graph
     from shardc.cost import CostModel
     from shardc.ir.space import StrategySpace
     from shardc.ir.strategy import Mesh, Workload

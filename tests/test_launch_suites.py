@@ -22,8 +22,8 @@ from shardc.backends.launch import (
     render_script,
     role_for_phase,
 )
-from shardc.commands.bench import load_suite
 from shardc.commands.bench_serve import _serve_workload
+from shardc.commands.suites import load_suite
 from shardc.cost import CostModel, load_hardware
 from shardc.errors import InfeasibleError
 from shardc.ir.engines import ENGINES, strategy_mode

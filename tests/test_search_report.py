@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardc.commands.bench import load_suite
+from shardc.commands.suites import load_suite
 from shardc.errors import InputError
 from shardc.search import plot_search_curve
 from shardc.search.report import figure3, markdown, table1

@@ -6,20 +6,19 @@ cost model charges (:func:`shardc.cost.moe_dispatch.gather_exchange`). Covered: 
 (``moe_tp = tp x ep``) and all-EP (``moe_ep = tp x ep``) splits of HF stacked experts
 (``[E, out, in]``, one weight per matmul, expert dim 0), column / row experts and a
 replicated router, no shared experts beside them (else
-:class:`~shardc.backends.torch_styles.NotCovered`)."""
+:class:`~shardc.backends.style_entry.NotCovered`)."""
 
 from __future__ import annotations
 
 from shardc.backends.emit_text import _literal
+from shardc.backends.style_entry import Entry, NotCovered
 from shardc.ir.contract import CHOICE_NAMES
 
 
 def gathered_entry(kind: str, lm, choice, deg):
-    """The :class:`~shardc.backends.torch_styles.Entry` of a re-split layer ``lm`` (its
+    """The :class:`~shardc.backends.style_entry.Entry` of a re-split layer ``lm`` (its
     :class:`~shardc.backends.torch_styles.LayerModules`); ``choice(op)`` the op's choice
     index."""
-    from shardc.backends.torch_styles import Entry, NotCovered
-
     split = "tp" if deg.moe_ep == 1 else "ep" if deg.moe_tp == 1 else None
     if split is None:
         raise NotCovered(f"{kind}: the experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}")

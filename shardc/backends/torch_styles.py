@@ -34,26 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardc.backends.emit_text import _literal
+from shardc.backends.gathered_styles import gathered_entry
+from shardc.backends.style_entry import Entry, NotCovered
 from shardc.ir.contract import BRANCHES, CHOICE_NAMES, redistribution, walk
 from shardc.ir.strategy import residual_placement
 
 LAYOUT = {"R": "Replicate()", "S(0)": "Shard(0)", "S(1)": "Shard(-1)"}
 
 
-
-
-class NotCovered(ValueError):
-    """The torch-style path does not (yet) cover this plan; the message says what."""
-
-
-@dataclass
-class Entry:
-    """One line of a parallelize_module plan: module suffix, style code (built here from a
-    fixed vocabulary, never from input) and the comment naming its collectives."""
-
-    suffix: str
-    style: str
-    comment: str
 
 
 @dataclass
@@ -248,7 +236,6 @@ def _global_modules(rows: list[dict]) -> dict[str, str]:
 
 def style_plan(plan) -> StylePlan:
     """The :class:`StylePlan` of a :class:`shardc.plan.Plan` (raises :class:`NotCovered`)."""
-    from shardc.backends.gathered_styles import gathered_entry
     from shardc.backends.layout import rows_with_ops
 
     st = plan.strategy()

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 from shardc.commands.compile import add_cross_node_tp_argument, add_quantisation_arguments
+from shardc.commands.suites import SEEDED, cached_graph, load_suite
 from shardc.errors import InputError
 from shardc.search import POLICIES
 from shardc.validate import MAX_BUDGET, dumps_strict_json, float_arg, int_arg
 
 HELP = "run the search benchmark suites (paper, zoo, serve) and write tables under benchmarks/"
-SEEDED = ("rl", "sa", "rw", "ga")
 NOTES_MARKER = "<!-- hand-written notes below this line: shardc bench keeps them -->"
 
 
@@ -49,34 +49,6 @@ def add_arguments(p) -> None:
     p.add_argument("--exact-limit", type=float_arg(0.0, 1e7, unit="seconds"), default=600.0,
                    help="seconds before an exact sweep stops (reported as not finished)")
     add_quantisation_arguments(p, default=None)  # given: overrides every case's format
-
-
-# ------------------------------------------------------------------------------ suites
-def load_suite(name: str) -> list[dict]:
-    import tomllib
-
-    path = Path(__file__).resolve().parent.parent / "search" / "suites.toml"
-    data = tomllib.loads(path.read_text())
-    if name not in data or name == "defaults":
-        known = ", ".join(k for k in data if k != "defaults")
-        raise InputError(f"--suite {name!r}: unknown suite (known: {known})")
-    return [{**data.get("defaults", {}), **case} for case in data[name]]
-
-
-def _model_path(model: str) -> Path:
-    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        p = base / model
-        if p.exists():
-            return p
-    raise InputError(f"{model}: model file not found (run from the repository root)")
-
-
-def cached_graph(model: str):
-    """The passed IR Graph of a suite's model file (traced once, then read from the graph
-    cache of :func:`shardc.frontends.load_graph`)."""
-    from shardc.frontends import load_graph
-
-    return load_graph(_model_path(model))
 
 
 # ------------------------------------------------------------------------------ running

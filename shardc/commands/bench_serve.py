@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-SEEDED = ("rl", "sa", "rw", "ga")
+from shardc.commands.suites import SEEDED, cached_graph
 
 
 def _serve_workload(case: dict):
@@ -30,7 +30,6 @@ def run_serve_case(case: dict, policies: list[str], budget: int, seeds: int,
                    exact_limit: float = 600.0) -> dict:
     """All policies on one serving case -> {"rows": [...], "curves": {policy: seed-0 curve of
     the throughput-setting pool}}."""
-    from shardc.commands.bench import cached_graph
     from shardc.errors import InfeasibleError
     from shardc.ir.strategy import Mesh
     from shardc.serving import serve_search
