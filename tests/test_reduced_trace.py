@@ -15,7 +15,7 @@ from traced_examples import EXAMPLES
 
 import shardc
 from shardc.frontends import graph_from_module, load_graph, reduced_depth
-from shardc.frontends.hf_build import build_causal_lm, token_ids
+from shardc.frontends.hf_build import build_causal_lm, token_ids, truncate_config
 from shardc.frontends.model_file import ModelSource, load_model_file
 from shardc.passes import run_passes
 
@@ -166,10 +166,10 @@ def test_choose_depth(kinds, depth):
 
 def test_truncate_config_cuts_per_layer_lists_only():
     config = _auto("gemma3_text", 9, sliding_window=4, sliding_window_pattern=3)
-    cut = reduced_depth.truncate_config(config, 4)
+    cut = truncate_config(config, 4)
     assert cut.num_hidden_layers == 4 and config.num_hidden_layers == 9
     assert cut.layer_types == config.layer_types[:4]
-    ds = reduced_depth.truncate_config(deepseek_v3.config(), 5)
+    ds = truncate_config(deepseek_v3.config(), 5)
     assert (ds.num_hidden_layers, ds.first_k_dense_replace) == (5, 3)
 
 

@@ -47,6 +47,18 @@ from shardc.cost.branch_tables import (
     branch_table,
     split_requirements,
 )
+from shardc.cost.evaluation import (  # noqa: F401 - re-exported (shardc.cost.model API)
+    BAD_BATCH,
+    BAD_CHOICE,
+    BAD_DEGREES,
+    NO_MEMORY,
+    OK,
+    REASONS,
+    TPOT_SLO,
+    TTFT_SLO,
+    Evaluation,
+    reason_text,
+)
 from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
 from shardc.cost.moe_dispatch import (
@@ -62,45 +74,7 @@ from shardc.ir.graph import Graph
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
 from shardc.ir.strategy import Mesh, Strategy, Workload, format_bytes, stage_layer_ranges
 
-# reason codes of an infeasible strategy (0 = feasible), checked in this order
-REASONS = {
-    0: "feasible",
-    1: "degrees do not tile the mesh (tp x ep x pp must divide the GPU count)",
-    2: "an op choice is illegal at this tp degree (e.g. tp does not divide the heads)",
-    3: "batch does not divide evenly (over pp micro-batches x ep attention groups, or over "
-       "tp for batch-split attention)",
-    4: "does not fit in HBM (weights + KV cache + activations per GPU)",
-    5: "TPOT exceeds the SLO",
-    6: "TTFT exceeds the SLO",
-}
-OK, BAD_DEGREES, BAD_CHOICE, BAD_BATCH, NO_MEMORY, TPOT_SLO, TTFT_SLO = range(7)
-
 DEFAULT_EXPERT_IMBALANCE = 1.3  # the fixed factor shardc used before shardc.cost.routing
-
-
-def reason_text(code: int) -> str:
-    return REASONS.get(int(code), f"unknown reason {code}")
-
-
-@dataclass
-class Evaluation:
-    """Arrays [B] over the evaluated strategies (ms, GB = 1e9 bytes, tokens/s/GPU)."""
-
-    tok_s_per_gpu: np.ndarray
-    tpot_ms: np.ndarray
-    ttft_ms: np.ndarray
-    memory_gb_per_gpu: np.ndarray
-    feasible: np.ndarray
-    reason: np.ndarray
-    # the aggregated pool's scheduler (shardc.cost.scheduler), None elsewhere: the token
-    # budget run (tokens per scheduler step), the prompt tokens a mixed step carries and the
-    # fraction of steps that carry them
-    token_budget: np.ndarray | None = None
-    prefill_chunk: np.ndarray | None = None
-    mixed_fraction: np.ndarray | None = None
-
-    def reason_text(self, i: int) -> str:
-        return reason_text(int(self.reason[i]))
 
 
 @dataclass

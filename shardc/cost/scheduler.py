@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardc.cost.evaluation import OK, TPOT_SLO, TTFT_SLO, Evaluation
+
 # vLLM --max-num-batched-tokens / SGLang's budget candidates (tokens per scheduler step); the
 # engines' defaults are 2048-16384 (vLLM 2048 / 8192 by usage context, SGLang 8192 / 16384 by
 # GPU memory); 512 is the small budget that keeps decode steps short
@@ -102,7 +104,6 @@ def evaluate_scheduled(cm, actions, space, detail: bool = False) -> dict:
     the simulator's dict with ``ev`` the :class:`~shardc.cost.model.Evaluation` (token budget,
     prompt chunk and mixed fraction filled); ``detail``: the step returned (ops, stages) is
     the chosen budget's mixed step."""
-    from shardc.cost.model import OK, TPOT_SLO, TTFT_SLO, Evaluation
 
     a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
     B, budgets = a.shape[0], cm.token_budgets

@@ -17,6 +17,7 @@ so the graph, its parameters and its costs are unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -38,14 +39,26 @@ def attention_implementation(config: PretrainedConfig) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
+def truncate_config(config, num_layers: int):
+    """A copy of HF ``config`` with ``num_hidden_layers = num_layers`` and every per-layer list
+    (a list or tuple as long as the full depth, e.g. ``layer_types``) cut to its first
+    ``num_layers`` entries; other fields (``first_k_dense_replace``, ``mlp_only_layers``,
+    ``decoder_sparse_step`` ...) stay, so layers ``0 .. num_layers-1`` keep their kinds."""
+    full = int(config.num_hidden_layers)
+    out = copy.deepcopy(config)
+    for key, value in vars(out).items():
+        if isinstance(value, (list, tuple)) and len(value) == full and not key.startswith("_"):
+            setattr(out, key, type(value)(value[:num_layers]))
+    out.num_hidden_layers = num_layers
+    return out
+
+
 def build_causal_lm(config: PretrainedConfig, device: str = "meta",
                     dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                     num_layers: int | None = None) -> torch.nn.Module:
     """``num_layers``: build only the first ``num_layers`` decoder layers (a truncated copy of
-    ``config``: :func:`shardc.frontends.reduced_depth.truncate_config`)."""
+    ``config``: :func:`truncate_config`)."""
     if num_layers is not None:
-        from shardc.frontends.reduced_depth import truncate_config
-
         config = truncate_config(config, num_layers)
     kwargs = {"attn_implementation": attention_implementation(config)}
     cls = causal_lm_class(config)

@@ -74,20 +74,6 @@ def accepts_num_layers(build_model) -> bool:
         return False
 
 
-def truncate_config(config, num_layers: int):
-    """A copy of HF ``config`` with ``num_hidden_layers = num_layers`` and every per-layer list
-    (a list or tuple as long as the full depth, e.g. ``layer_types``) cut to its first
-    ``num_layers`` entries; other fields (``first_k_dense_replace``, ``mlp_only_layers``,
-    ``decoder_sparse_step`` ...) stay, so layers ``0 .. num_layers-1`` keep their kinds."""
-    full = int(config.num_hidden_layers)
-    out = copy.deepcopy(config)
-    for key, value in vars(out).items():
-        if isinstance(value, (list, tuple)) and len(value) == full and not key.startswith("_"):
-            setattr(out, key, type(value)(value[:num_layers]))
-    out.num_hidden_layers = num_layers
-    return out
-
-
 def relayer(path: str, index) -> str:
     """``path`` with its layer component (the first numeric one) replaced by ``index``."""
     m = _LAYER_RE.search(path)
