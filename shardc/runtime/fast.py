@@ -43,6 +43,7 @@ from shardc.runtime.kv_cache import KVCache, positions, visible
 from shardc.runtime.local_ops import (
     Group,
     attend,
+    held_rows,
     linear,
     linear_parts,
     norm_of,
@@ -58,16 +59,6 @@ from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, _local, shared_bran
 def _lm_config(model):
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def _held_rows(n: int, placement: str, tp: Group) -> slice:
-    """The rows (of ``n`` this rank serves) an activation at ``placement`` holds."""
-    if placement != "S(0)" or not tp:
-        return slice(0, n)
-    if n % tp.size:
-        raise ValueError(f"{n} rows do not split over tp = {tp.size}")
-    k = n // tp.size
-    return slice(tp.rank * k, (tp.rank + 1) * k)
 
 
 def _window(cfg, attn, i: int):
@@ -143,7 +134,7 @@ class Attention:
         self.interleave = _rope_interleaved(attn, self.d)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
-        cache.add_heads(self.i, _held_rows(rows, self.core_need, self.tp), self.hkv_local,
+        cache.add_heads(self.i, held_rows(rows, self.core_need, self.tp), self.hkv_local,
                         self.d, window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
@@ -222,7 +213,7 @@ class LatentAttention:
         self.window = _window(cfg, attn, i)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
-        cache.add_latent(self.i, _held_rows(rows, self.core_need, self.tp), self.lora, self.rope_d,
+        cache.add_latent(self.i, held_rows(rows, self.core_need, self.tp), self.lora, self.rope_d,
                          window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
@@ -237,7 +228,7 @@ class LatentAttention:
         # replicated latents to the core's rows
         q = repair(q, self.walk["steps"][0][3], self.core_need, tp)
         if self.core_need == "S(0)" and self.x_need == "R":
-            rows = _held_rows(x.shape[0], "S(0)", tp)
+            rows = held_rows(x.shape[0], "S(0)", tp)
             lat, k_rot = lat[rows], k_rot[rows]
         r, s = q.shape[0], q.shape[1]
         q = q.view(r, s, self.heads, self.nope + self.rope_d).transpose(1, 2)
@@ -419,7 +410,7 @@ class FastModel:
     def new_cache(self, rows: int, context: int) -> KVCache:
         """This rank's KV cache for ``rows`` rows (its dp x ep slice) and ``context`` steps.
         ValueError when sequence parallelism cannot split the rows over tp."""
-        _held_rows(rows, self.residual, self.tp)
+        held_rows(rows, self.residual, self.tp)
         cache = KVCache(rows, context, self.device, self.dtype)
         for layer in self.layers.values():
             layer.attn.alloc(cache, rows)
@@ -458,7 +449,7 @@ class FastModel:
             e = e * self.embed_mult
         h = repair(e, prod if self.tp else "R", self.residual, self.tp)
         if self.positions is not None:  # learned positions of the rows the residual holds
-            start = cache.start[_held_rows(cache.rows, self.residual, self.tp)]
+            start = cache.start[held_rows(cache.rows, self.residual, self.tp)]
             h = h + F.embedding(positions(steps, start), self.positions)
         return h
 
@@ -484,7 +475,7 @@ class FastModel:
         if self.first:
             h = self._embed(ids, cache, steps)
         else:
-            rows = _held_rows(cache.rows, self.residual, self.tp)
+            rows = held_rows(cache.rows, self.residual, self.tp)
             h = torch.empty(rows.stop - rows.start, steps.shape[0], self.hidden,
                             dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.prev, group=self.pp.pg)

@@ -36,6 +36,18 @@ class Group:
         return self.size > 1
 
 
+def held_rows(n: int, placement: str, tp: Group) -> slice:
+    """The rows (of the ``n`` this rank serves) an activation at ``placement`` holds on this
+    tp rank: all of them, or its 1/tp share under ``S(0)`` (ValueError when they do not
+    split)."""
+    if placement != "S(0)" or not tp:
+        return slice(0, n)
+    if n % tp.size:
+        raise ValueError(f"{n} rows do not split over tp = {tp.size}")
+    k = n // tp.size
+    return slice(tp.rank * k, (tp.rank + 1) * k)
+
+
 def _widths(total: int, parts) -> list[int]:
     return [total] if not parts else list(parts)
 

@@ -23,22 +23,13 @@ from shardc.runtime.kv_cache import KVCache, positions, visible
 from shardc.runtime.local_ops import (
     Group,
     attend,
+    held_rows,
     linear,
     local_features,
     local_tensor,
     repair,
     rope,
 )
-
-
-def _core_rows(n: int, placement: str, tp: Group) -> slice:
-    """The rows (of ``n``) an activation at ``placement`` holds on this tp rank."""
-    if placement != "S(0)" or not tp:
-        return slice(0, n)
-    if n % tp.size:
-        raise ValueError(f"{n} rows do not split over tp = {tp.size}")
-    k = n // tp.size
-    return slice(tp.rank * k, (tp.rank + 1) * k)
 
 
 class PerHeadLatentAttention:
@@ -66,7 +57,7 @@ class PerHeadLatentAttention:
         self.local_heads = self.heads // tp.size if core == "heads" and tp else self.heads
 
     def alloc(self, cache: KVCache, rows: int) -> None:
-        cache.add_heads(self.i, _core_rows(rows, self.core_need, self.tp), self.local_heads,
+        cache.add_heads(self.i, held_rows(rows, self.core_need, self.tp), self.local_heads,
                         self.nope + self.rope_d, value_dim=self.vd, window=self.window)
 
     def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
@@ -83,7 +74,7 @@ class PerHeadLatentAttention:
         part = torch.cat([linear(self.slice_in(qin), self.wq, None, self.c_qkv, tp),
                           linear(self.slice_in(lat), self.wkv, None, self.c_qkv, tp)], -1)
         y = repair(part, self.qkv_out, self.core_need, tp, self.parts)
-        rows = _core_rows(x.shape[0], self.core_need, tp)
+        rows = held_rows(x.shape[0], self.core_need, tp)
         k_rot = k_rot[rows]
         r, s, h = y.shape[0], y.shape[1], self.local_heads
         q, kv = y.split([h * (self.nope + self.rope_d), h * (self.nope + self.vd)], -1)
