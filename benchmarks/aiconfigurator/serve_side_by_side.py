@@ -421,12 +421,11 @@ def markdown(rows: list[dict], versions: dict, revision: str, serve: tuple[bool,
 
 NOTES = [
     "shardc's mixed / decode pools reserve the KV cache a paged engine holds per running "
-    "sequence (ISL + OSL/2 + a preemption margin; plan.json pools' kv_reservation), but "
-    "`shardc simulate`'s up-front capacity check (shardc/cost/capacity.py) still counts "
-    "ISL + OSL per sequence in --phase serve, so it refuses AIConfigurator's Llama-3-70B "
-    "8x1 TRT-LLM best (tp8 bs320: 429.5 GB of KV cache) before pricing it; at the pools' "
-    "paged rule (3,140 tokens per sequence) the same batch holds 329.2 GB of KV, 58.8 GB "
-    "per GPU with the weights.",
+    "sequence (ISL + OSL/2 + a preemption margin; plan.json pools' kv_reservation), and "
+    "`shardc simulate`'s up-front capacity check (shardc/cost/capacity.py) counts the same "
+    "ISL + OSL/2 lower bound in --phase serve, so AIConfigurator's Llama-3-70B 8x1 TRT-LLM "
+    "best (tp8 bs320) is priced at the batch it runs (runs before 2026-11-26 counted ISL + "
+    "OSL = 4,096 tokens per sequence there, 429.5 GB of KV, and refused it with exit 3).",
     "AIConfigurator's --batch-size is per attention-DP rank per micro-batch (its concurrency "
     "is batch-size x pp); runs before the fix passed shardc's whole replica batch, so "
     "shardc's Llama-3-70B 8x1 plan of then (tp4 pp2, 256 sequences) reached it as 256 per "
