@@ -123,6 +123,9 @@ def backend_problem(model: nn.Module) -> str | None:
     recurrent = stateful_layers(model)
     if recurrent:
         return recurrent_problem(sorted(set(recurrent.values())))
+    fused = fused_experts_problem(model)
+    if fused:
+        return fused
 
     try:
         ad = adapter_for(model)
@@ -144,6 +147,26 @@ RECURRENT_PROBLEM = "it does not run linear-attention / state-space (recurrent) 
 def recurrent_problem(kinds: list[str]) -> str:
     """The backend's reason for a model with linear-attention / Mamba layers of ``kinds``."""
     return f"{RECURRENT_PROBLEM} ({', '.join(kinds)})"
+
+
+FUSED_EXPERTS_PROBLEM = ("it does not run experts stored fused, one [E * f, h] parameter per "
+                         "projection")
+
+
+def fused_experts_problem(model: nn.Module) -> str | None:
+    """The backend's reason for a model whose experts are stored fused (DBRX's
+    ``DbrxExperts``: :mod:`shardc.frontends.fused_experts`), None for any other: its runtimes
+    place stacked ``[E, ., .]`` expert weights, and the model's own expert loop views its
+    parameters by global expert index."""
+    from shardc.frontends.fused_experts import FUSED_EXPERT_CLASSES, fused_expert_modules
+
+    mods = fused_expert_modules(model)
+    if not mods:
+        return None
+    cls = type(mods[0]).__name__
+    sub, names = FUSED_EXPERT_CLASSES[cls]
+    return (f"{FUSED_EXPERTS_PROBLEM} ({cls}: {', '.join(f'{sub}.{n}' for n in names)}; "
+            "the runtimes place stacked [E, ., .] expert weights)")
 
 
 def family_name(model: nn.Module) -> str:
@@ -191,7 +214,8 @@ def torch_style_verdict(verdict: dict, plans, graph) -> dict:
     ``plans`` (:func:`~shardc.backends.torch_styles.style_plan`) and places every parameter
     (:func:`unplaced_by_styles`): the emitted ``parallelize.py`` is then the torch-style one.
     Otherwise ``verdict``, its reason extended with the torch-style path's."""
-    if verdict.get("runs", True) or RECURRENT_PROBLEM in str(verdict.get("reason")):
+    if verdict.get("runs", True) or any(p in str(verdict.get("reason"))
+                                        for p in (RECURRENT_PROBLEM, FUSED_EXPERTS_PROBLEM)):
         return verdict
     from shardc.backends.torch_styles import NotCovered, style_plan
 

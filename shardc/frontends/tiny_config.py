@@ -22,7 +22,9 @@ GPT-2's ``n_embd``, is followed), each only when the original has it (not None):
 - RoPE: ``rope_parameters`` / ``rope_scaling`` dicts (nested ones too) keep their type and
   factors; ``short_factor`` / ``long_factor`` lists are resampled to rotary dim / 2 entries
   (rotary dim = head_dim x ``partial_rotary_factor``); ``query_pre_attn_scalar`` follows
-  head_dim when it equalled it; token ids (bos/eos/pad) outside the tiny vocab become None.
+  head_dim when it equalled it; token ids (bos/eos/pad) outside the tiny vocab become None;
+- nested widths (:data:`NESTED`: DBRX's ``attn_config.kv_n_heads``, ``ffn_config``'s FFN
+  width, experts, top-k and hidden size) are shrunk as their top-level names would be.
 
 Layer pattern: each original layer has a signature (its modules' classes and parameter
 shapes in a full-depth probe built on ``meta``, plus its entries in per-layer config lists
@@ -65,6 +67,13 @@ TOP_KS = ("num_experts_per_tok", "experts_per_token")
 THRESHOLDS = ("first_k_dense_replace", "max_window_layers")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 LAYER_SOURCE_KEY = "shardc_source_layers"
+# widths a config keeps in a nested dict (DBRX's attn_config / ffn_config): canonical name ->
+# (dict, field); read and shrunk like the top-level fields (``hidden_size`` copies d_model)
+NESTED = {"num_key_value_heads": ("attn_config", "kv_n_heads"),
+          "intermediate_size": ("ffn_config", "ffn_hidden_size"),
+          "num_experts": ("ffn_config", "moe_num_experts"),
+          "num_experts_per_tok": ("ffn_config", "moe_top_k"),
+          "hidden_size": ("ffn_config", "hidden_size")}
 NOT_PER_LAYER = (*TOKEN_IDS, "architectures", LAYER_SOURCE_KEY)  # lists that are no pattern
 
 
@@ -119,13 +128,23 @@ def _derive(config: PretrainedConfig, tp: int, ep: int, pp: int, dp: int) -> dic
     def key(name: str) -> str:
         return amap.get(name, name)
 
+    nested = {n: (d, f) for n, (d, f) in NESTED.items()
+              if isinstance(src.get(d), dict) and src[d].get(f) is not None}
+
     def get(name: str):
+        if name in nested and key(name) not in src:
+            d, f = nested[name]
+            return src[d][f]
         return src.get(key(name))
 
     n_layers = get("num_hidden_layers")
     if not isinstance(n_layers, int) or n_layers < 1:
         raise InputError(f"{config.model_type}: config has no num_hidden_layers to shrink")
     widths = _tiny_widths(src, key, get, tp, ep, dp)
+    for name, (d, f) in nested.items():  # back into their nested dicts (kept on top too
+        if key(name) in widths:          # where the config mirrors them there)
+            inner = widths.setdefault(d, dict(src[d]))
+            inner[f] = widths[key(name)] if key(name) in src else widths.pop(key(name))
     probe = dict(src, **widths)
     signatures = _signatures(type(config), probe, n_layers)
     distinct = list(dict.fromkeys(signatures))

@@ -181,8 +181,11 @@ def trace_program(model: nn.Module, example_inputs: tuple, name: str = "",
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     example_inputs = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in example_inputs)
-    ep = export_program(model, example_inputs)
-    graph = program_to_graph(ep, model, name=name or type(model).__name__, source=source)
+    from shardc.frontends.fused_experts import fused_experts
+
+    with fused_experts(model):  # DBRX's [E * f, h] experts, seen as [E, f, h] grouped matmuls
+        ep = export_program(model, example_inputs)
+        graph = program_to_graph(ep, model, name=name or type(model).__name__, source=source)
     ids = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
     graph.tokens = int(ids.numel()) if ids is not None else 0
     max_pos = max_positions(model)

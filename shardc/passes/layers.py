@@ -313,14 +313,18 @@ def _layer_ops(nodes: list[Node], tokens: int = 0) -> tuple[list[FusedOp], int]:
         op.params = op.shardable_params = _param_total(by_op["router"])
         ops.append(op)
     if lin.get("expert_ffn1") and lin.get("expert_ffn2"):
-        e1, e2 = lin["expert_ffn1"][0], lin["expert_ffn2"][0]
-        gated = _out(e1) == 2 * _in(e2)
-        for name, n in (("expert_ffn1", e1), ("expert_ffn2", e2)):
-            params = _param_total([n])
-            ops.append(FusedOp(name=name, in_features=_in(n), out_features=_out(n), params=params,
-                               shardable_params=params, flops_per_token=top_k * 2 * _in(n) * _out(n),
-                               nodes=[n.name], attrs={"num_experts": num_experts, "top_k": top_k,
-                                                      "gated": gated}))
+        # expert_ffn1: one packed gate_up grouped matmul, or (DBRX) a gate and an up one
+        e1s, e2 = lin["expert_ffn1"], lin["expert_ffn2"][0]
+        out1 = sum(_out(n) for n in e1s)
+        gated = out1 == 2 * _in(e2)
+        for name, group, out in (("expert_ffn1", e1s, out1), ("expert_ffn2", [e2], _out(e2))):
+            params = _param_total(group)
+            fin = _in(group[0])
+            ops.append(FusedOp(name=name, in_features=fin, out_features=out, params=params,
+                               shardable_params=params, flops_per_token=top_k * 2 * fin * out,
+                               nodes=[n.name for n in group],
+                               attrs={"num_experts": num_experts, "top_k": top_k,
+                                      "gated": gated}))
     in_ops = {name for o in ops for name in o.nodes}
     if lin.get("router"):  # the router op counts every parameter on its path (e.g. a bias)
         in_ops |= {n.name for n in by_op["router"]}
