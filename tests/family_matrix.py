@@ -36,6 +36,7 @@ FAMILIES = [
     ("Kimi-K2", "kimi_k2"),
     ("Qwen3-Next-80B-A3B (Gated DeltaNet hybrid)", "qwen3_next_80b_a3b"),
     ("Jamba-v0.1 (Mamba hybrid)", "jamba_v0_1"),
+    ("Nemotron-H-8B (Mamba-2 hybrid)", "nemotron_h_8b"),
 ]
 
 def config_path(name: str) -> Path:

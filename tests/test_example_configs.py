@@ -29,6 +29,8 @@ def _cut(name: str, folder: Path, layers: int = 2) -> Path:
             cfg[key] = min(int(cfg[key]), layers)
     if isinstance(cfg.get("layer_types"), list):
         cfg["layer_types"] = cfg["layer_types"][:layers]
+    if isinstance(cfg.get("hybrid_override_pattern"), str):  # Nemotron-H: one char per layer
+        cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:layers]
     out = folder / name / "config.json"
     out.parent.mkdir(parents=True)
     out.write_text(json.dumps(data))

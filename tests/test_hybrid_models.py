@@ -2,8 +2,9 @@
 
 Their layers get their own op kinds (``causal_conv``, ``recurrent_scan``) and a constant
 per-sequence recurrent + conv state instead of a KV cache, split with the heads under tp.
-The configs are the public ones under examples/configs (Qwen3-Next-80B-A3B-Instruct and
-Jamba-v0.1, the 52B model whose architecture Jamba-1.5-Mini shares).
+The configs are the public ones under examples/configs (Qwen3-Next-80B-A3B-Instruct,
+Jamba-v0.1, the 52B model whose architecture Jamba-1.5-Mini shares, and Nemotron-H-8B-Base-8K,
+whose Mamba-2 layers interleave with attention and MLP-only layers).
 """
 
 from __future__ import annotations
@@ -43,10 +44,19 @@ JAMBA_KV = 4 * (2 * 8 * 128 // TP) * BATCH * CONTEXT * BF16  # 0.54 GB
 # channels x mamba_d_state 16 = 131,072; conv state 8,192 x (mamba_d_conv 4 - 1) = 24,576;
 # split by channels over tp 8.
 JAMBA_STATE = 28 * (8192 * 16 + 8192 * 3) // TP * BATCH * BF16  # 0.07 GB
+# Nemotron-H-8B: hybrid_override_pattern "M-M-M-M*-..." of 52 layers -> 24 Mamba-2 layers,
+# 4 attention layers, 24 MLP-only layers. KV: num_key_value_heads 8 x head_dim 128, K and V,
+# split 8 ways.
+NEMOTRON_H_KV = 4 * (2 * 8 * 128 // TP) * BATCH * CONTEXT * BF16  # 0.54 GB
+# Mamba-2 state per layer and sequence: mamba_num_heads 128 x mamba_head_dim 64 x
+# ssm_state_size 128 = 1,048,576; conv state over x, B, C = 128 x 64 + 2 x n_groups 8 x 128
+# = 10,240 channels x (conv_kernel 4 - 1) = 30,720; split by heads (and the 8 groups) over tp 8.
+NEMOTRON_H_STATE = 24 * (128 * 64 * 128 + 10240 * 3) // TP * BATCH * BF16  # 0.41 GB
 # (The issue estimated about 3.8 and 0.7 GB: the same caches with the recurrent state in
 # fp32; vLLM holds it in the model's dtype unless --mamba-ssm-cache-dtype says otherwise.)
 HAND = {"qwen3_next_80b_a3b": (QWEN3_NEXT_KV, QWEN3_NEXT_STATE),
-        "jamba_v0_1": (JAMBA_KV, JAMBA_STATE)}
+        "jamba_v0_1": (JAMBA_KV, JAMBA_STATE),
+        "nemotron_h_8b": (NEMOTRON_H_KV, NEMOTRON_H_STATE)}
 
 
 def _simulate(tmp_path, name: str, context: int = CONTEXT) -> dict:
@@ -124,7 +134,7 @@ def test_compile_plans_a_hybrid_model_with_engine_scripts_and_no_parallelize(tmp
         assert (out / script).is_file()
 
 
-@pytest.mark.parametrize("name", ["qwen3_next_80b_a3b", "jamba_v0_1"])
+@pytest.mark.parametrize("name", ["qwen3_next_80b_a3b", "jamba_v0_1", "nemotron_h_8b"])
 def test_the_traced_kernels_compute_what_transformers_computes(name):
     """The trace's leaves (shardc.frontends.recurrent_kernels) are transformers' own torch
     kernels: a tiny model's logits are the same with and without them swapped in."""
@@ -170,3 +180,36 @@ def test_a_heads_split_needs_tp_to_divide_the_recurrent_layers_own_heads():
     assert space.op_mask_by_tp[tp8, slot("moe_block.attn_core"), heads]
     assert space.op_mask_by_tp[space.values["tp"].index(4),
                                slot("linear_attn_moe_block.attn_core"), heads]
+
+
+def test_mamba2_layers_are_kinds_of_their_own_with_the_ssd_scan(tmp_path):
+    """Nemotron-H's Mamba-2 layers: one ssd recurrent_scan per layer, heads 128 in 8 groups
+    (the groups are the key heads a heads split keeps whole), state H x P x N + conv; the
+    MLP-only layers have no core; the 4 attention layers alone hold a KV cache. Its
+    parameters add up to the model card's 8,100,852,736."""
+    from shardc.frontends import load_graph
+
+    g = load_graph(CONFIGS / "nemotron_h_8b" / "config.json")
+    kinds = {k.name: k for k in g.layer_kinds}
+    assert {n: k.count for n, k in kinds.items()} == {"mamba2_dense_block": 24,
+                                                       "dense_block": 24, "dense_block_2": 4}
+    a = kinds["mamba2_dense_block"].op("attn_core").attrs
+    assert a["recurrent"] == "mamba2" and a["kv_cache_elems_per_token"] == 0
+    assert (a["heads"], a["kv_heads"], a["head_dim"], a["v_head_dim"]) == (128, 8, 128, 64)
+    assert a["state_elems_per_sequence"] == 128 * 64 * 128 + 10240 * 3
+    # one decode step: 5 P N FLOPs per head + the conv (2 x 10,240 x 4)
+    assert a["decode_flops_per_token"] == 128 * 5 * 64 * 128 + 2 * 10240 * 4
+    assert kinds["dense_block"].op("attn_core") is None
+    assert kinds["dense_block_2"].op("attn_core").attrs["kv_cache_elems_per_token"] == 2 * 8 * 128
+    assert sum(p.numel for p in g.params) == 8_100_852_736
+    out = tmp_path / "out"
+    assert main(["compile", str(CONFIGS / "nemotron_h_8b" / "config.json"), "--mesh", "8x1",
+                 "--search", "megatron", "--budget", "1", "--context", "4096", "--quiet",
+                 "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    rows = {k["name"]: k for k in plan["layer_kinds"]}
+    assert rows["mamba2_dense_block"]["attention"] == "mamba2"
+    assert plan["backend"]["runs"] is False and "NemotronHMamba2Mixer" in plan["backend"]["reason"]
+    assert not (out / "parallelize.py").exists()
+    for script in ("launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
+        assert (out / script).is_file()

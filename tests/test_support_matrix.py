@@ -75,6 +75,10 @@ NOTES = {
                           "recurrent_scan: a constant recurrent + conv state per sequence, "
                           "split by heads, no KV cache), gated attention in the rest; 512 "
                           "experts, top-10, shared expert with its sigmoid gate",
+    "nemotron_h_8b": "Mamba-2 layers (causal_conv + chunked SSD recurrent_scan, constant "
+                     "state split by heads in 8 groups, no KV cache), MLP-only layers (relu2) "
+                     "and attention at layers 7, 18, 29, 40 (the first 4 layers traced here "
+                     "are Mamba-2 and MLP)",
     "jamba_v0_1": "Mamba layers (causal_conv + selective-scan recurrent_scan, constant state "
                   "split by channels) with attention at layers 4, 12, 20, 28 (the first 4 "
                   "layers traced here are all Mamba); 16 experts, top-2, every other layer",
@@ -95,6 +99,8 @@ def _cut_config(name: str, folder: Path) -> Path:
             cfg[key] = min(int(cfg[key]), 4)
     if "layer_types" in cfg:
         cfg["layer_types"] = cfg["layer_types"][:4]
+    if "hybrid_override_pattern" in cfg:  # Nemotron-H: one character per layer
+        cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:4]
     out = folder / name / "config.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data))

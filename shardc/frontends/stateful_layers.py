@@ -8,10 +8,11 @@ the config's ``layer_types`` calls anything but an attention or FFN-only layer
 
 A layer is *modelled* when its recurrent module's forward calls one of the kernel functions
 :mod:`shardc.frontends.recurrent_kernels` traces as one node (Gated DeltaNet's chunked delta
-rule: Qwen3-Next; Mamba's selective scan: Jamba); the cost model then prices it with its own
-op kinds (``causal_conv``, ``recurrent_scan``: a constant per-sequence state, no KV cache).
-Every other such layer (Mamba-2's chunked scan: Falcon-H1, Nemotron-H, Bamba; lightning
-attention: MiniMax) is refused by name (:class:`InputError`, exit 2) by every command,
+rule: Qwen3-Next; Mamba's selective scan: Jamba; Mamba-2's chunked SSD scan: Nemotron-H)
+and the layer holds no attention beside it; the cost model then prices it with its own op
+kinds (``causal_conv``, ``recurrent_scan``: a constant per-sequence state, no KV cache).
+Every other such layer (Falcon-H1's Mamba-2 mixer in parallel with attention in one layer,
+lightning attention: MiniMax) is refused by name (:class:`InputError`, exit 2) by every command,
 before a trace could price it as attention; after the trace,
 :func:`check_traced_recurrent_layers` proves that every layer found here did become a
 ``recurrent_scan`` node.
@@ -67,17 +68,23 @@ def _modelled(owner) -> bool:
 
 
 def modelled_layers(model) -> set[int]:
-    """Decoder-layer indices whose recurrent module the cost model represents."""
+    """Decoder-layer indices whose recurrent module the cost model represents: its scan
+    traces as one node and the layer holds no attention module beside it (a layer has one
+    core: Falcon-H1's attention running in parallel with its Mamba-2 mixer is not modelled)."""
     from torch import nn
 
     out: set[int] = set()
     modules = dict(model.named_modules())
+    with_attention = {int(m.group(1)) for path, mod in modules.items()
+                      if type(mod).__name__.endswith("Attention")
+                      and (m := _LAYER.search(path + ".")) is not None}
     for path, mod in modules.items():
         if not isinstance(mod, nn.Conv1d) or "." not in path:
             continue
         m = _LAYER.search(path + ".")
         owner = modules.get(path.rsplit(".", 1)[0])
-        if m is not None and owner is not None and _modelled(owner):
+        if m is not None and owner is not None and _modelled(owner) \
+                and int(m.group(1)) not in with_attention:
             out.add(int(m.group(1)))
     return out
 

@@ -138,6 +138,8 @@ def _derive(config: PretrainedConfig, tp: int, ep: int, pp: int, dp: int) -> dic
         return src.get(key(name))
 
     n_layers = get("num_hidden_layers")
+    if n_layers is None:  # a property over the layer list (Nemotron-H's layers_block_type)
+        n_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(n_layers, int) or n_layers < 1:
         raise InputError(f"{config.model_type}: config has no num_hidden_layers to shrink")
     widths = _tiny_widths(src, key, get, tp, ep, dp)

@@ -125,6 +125,8 @@ def _recurrent_use(a: dict, layer: int | None, shape: list[int]) -> ParamUse:
             return ParamUse("attn_core", layer, (d, None))
     if shape and a.get("recurrent") == "gated_deltanet" and shape[0] == q + k + v:
         return ParamUse("attn_core", layer, (0, None), None, [q, k, v])
+    if shape and a.get("recurrent") == "mamba2" and shape[0] == q + k + v:
+        return ParamUse("attn_core", layer, (0, None), None, [v, q, k])  # conv over x, B, C
     return ParamUse(None, layer)
 
 

@@ -41,7 +41,7 @@ def attention_variant(kind) -> dict:
     (:class:`shardc.ir.graph.LayerKind`): ``{"attention": "sliding_window", "window": W}``
     (tokens), ``{"attention": "full"}`` (full causal), ``{}`` for a kind without an
     attention core. A linear-attention / Mamba core (:mod:`shardc.ir.recurrent`):
-    ``{"attention": "gated_deltanet" | "mamba", "recurrent_state": {...}}`` with its state
+    ``{"attention": "gated_deltanet" | "mamba" | "mamba2", "recurrent_state": {...}}`` with its state
     elements per sequence and layer (recurrent, conv, total; all heads, split with them)."""
     core = kind.op("attn_core")
     if core is None:
@@ -68,7 +68,8 @@ def variant_text(row: dict) -> str:
     state = row.get("recurrent_state")
     if isinstance(state, dict):
         name = {"gated_deltanet": "Gated DeltaNet linear attention",
-                "mamba": "Mamba state-space layer"}.get(row.get("attention"), "recurrent layer")
+                "mamba": "Mamba state-space layer",
+                "mamba2": "Mamba-2 state-space layer"}.get(row.get("attention"), "recurrent layer")
         return (f"{name}: a constant state of {int(state['elems_per_sequence']):,} elements "
                 "per sequence, no KV cache")
     return ""

@@ -30,7 +30,9 @@ recurrent_scan     gated delta rule (q [B,S,Hk,Dk], v [B,S,Hv,Dv]), per token an
                    :data:`DELTA_CHUNK`: intra-chunk scores and values, the UT transform,
                    the state read, the output from it and its update); selective scan
                    (u [B,D,S], A [D,N]), per token: ``9 * D * N`` (discretise, update,
-                   read out)
+                   read out); Mamba-2's chunked SSD scan (x [B,S,H,P], B [B,S,G,N], chunk
+                   ``Q``), per token: ``2 * Q * N * G`` (C B^T per group) ``+ H * (2 * Q * P
+                   + 4 * N * P)`` (scores x values, chunk states, state read-out)
 embedding, gather_scatter, view, input, output, other   ``0``
 =================  ==========================================================
 
@@ -85,7 +87,7 @@ _TABLE: dict[str, tuple[str, ...]] = {
              "swapaxes", "mT", "numpy_T"),
     "router": ("topk",),
     "causal_conv": ("causal_conv1d",),
-    "recurrent_scan": ("gated_delta_rule", "selective_scan"),
+    "recurrent_scan": ("gated_delta_rule", "selective_scan", "ssd_scan"),
     "gather_scatter": ("index", "index_select", "gather", "scatter", "scatter_", "scatter_add",
                        "scatter_add_", "index_put", "index_put_", "index_copy", "index_copy_",
                        "index_add", "index_add_", "masked_scatter", "take", "sort", "argsort",
@@ -97,7 +99,9 @@ KIND_OF_BASE: dict[str, str] = {base: kind for kind, bases in _TABLE.items() for
 _FLOPS_PER_OUT = {"norm": 5, "activation": 4, "elementwise": 1}
 # recurrent_scan variants by base name (Node.attrs["recurrent"]; frontends other than
 # torch.export set the attr themselves)
-RECURRENT_VARIANTS = {"gated_delta_rule": "gated_deltanet", "selective_scan": "mamba"}
+RECURRENT_VARIANTS = {"gated_delta_rule": "gated_deltanet", "selective_scan": "mamba",
+                      "ssd_scan": "mamba2"}
+SSD_CHUNK = 256  # Mamba-2 chunk length when the trace does not say (mamba_ssm's default)
 DELTA_CHUNK = 64  # chunk length of the chunked gated delta rule (FLA's and transformers')
 _ZERO_BYTES = {"view", "input", "output"}
 
@@ -170,19 +174,34 @@ def recurrent_scan_flops(node: Node) -> tuple[int, int, int]:
     """(FLOPs of the traced execution, FLOPs per token of one decode step, state elements per
     sequence) of a ``recurrent_scan`` node (formulas in the module docstring). Gated DeltaNet
     decode per token and v-head: ``7 * Dk * Dv`` (decay, read ``S^T k``, rank-1 update,
-    output ``S^T q``); Mamba: the same ``9 * D * N`` as the scan."""
+    output ``S^T q``); Mamba: the same ``9 * D * N`` as the scan; Mamba-2 per token and
+    head ``5 * P * N`` (dt B x, decay, add, read-out multiply-add), state ``H x P x N``."""
     ins = node.input_shapes
     if node.attrs.get("recurrent") == "gated_deltanet" and len(ins) >= 3:
         q, v = ins[0], ins[2]
         tokens, heads, dk, dv = numel(v[:-2]), int(v[-2]), int(q[-1]), int(v[-1])
         per_token = heads * (4 * DELTA_CHUNK * (dk + dv) + 6 * dk * dv)
         return tokens * per_token, heads * 7 * dk * dv, heads * dk * dv
+    if node.attrs.get("recurrent") == "mamba2" and len(ins) >= 4:
+        x, b = ins[0], ins[3]
+        tokens, heads, p = numel(x[:-2]), int(x[-2]), int(x[-1])
+        groups, n = int(b[-2]), int(b[-1])
+        chunk = ssd_chunk(node)
+        per_token = 2 * chunk * n * groups + heads * (2 * chunk * p + 4 * n * p)
+        return tokens * per_token, heads * 5 * p * n, heads * p * n
     if node.attrs.get("recurrent") == "mamba" and len(ins) >= 3:
         u, a = ins[0], ins[2]
         tokens = numel(u) // max(int(u[1]), 1)
         return tokens * 9 * int(a[0]) * int(a[-1]), 9 * int(a[0]) * int(a[-1]), \
             int(a[0]) * int(a[-1])
     return 0, 0, 0
+
+
+def ssd_chunk(node: Node) -> int:
+    """Chunk length (tokens) of a Mamba-2 ``recurrent_scan`` node: its first integer argument
+    (``shardc::ssd_scan``'s ``chunk_size``), else :data:`SSD_CHUNK`."""
+    scalars = [s for s in node.attrs.get("scalars", []) if not isinstance(s, bool)]
+    return int(scalars[0]) if scalars else SSD_CHUNK
 
 
 def node_bytes(node: Node) -> int:

@@ -127,6 +127,8 @@ def recurrent_heads(scan: Node) -> int:
     ins = scan.input_shapes
     if scan.attrs.get("recurrent") == "gated_deltanet" and len(ins) >= 3:
         return int(ins[2][-2])
+    if scan.attrs.get("recurrent") == "mamba2" and ins and len(ins[0]) >= 2:
+        return int(ins[0][-2])  # x [B, S, H, P]
     return int(ins[0][1]) if ins and len(ins[0]) >= 2 else 1
 
 

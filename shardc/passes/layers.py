@@ -44,7 +44,13 @@ from collections import defaultdict
 
 from shardc.ir.graph import FusedOp, Graph, LayerKind, Node
 from shardc.ir.windows import attended_positions, op_window
-from shardc.passes.canonicalise import DELTA_CHUNK, dtype_bytes, numel, recurrent_scan_flops
+from shardc.passes.canonicalise import (
+    DELTA_CHUNK,
+    dtype_bytes,
+    numel,
+    recurrent_scan_flops,
+    ssd_chunk,
+)
 from shardc.passes.dataflow import Dataflow
 
 
@@ -139,6 +145,10 @@ def _recurrent_core(core: list[Node], qkv: list[Node]) -> FusedOp:
         heads, kv_heads, head_dim, v_head_dim = (int(ins[2][-2]), int(ins[0][-2]),
                                                  int(ins[0][-1]), int(ins[2][-1]))
         tokens = numel(ins[2][:-2])
+    elif variant == "mamba2":  # x [B, S, H, P], B [B, S, G, N]: G groups share B and C
+        heads, kv_heads, head_dim, v_head_dim = (int(ins[0][-2]), int(ins[3][-2]),
+                                                 int(ins[3][-1]), int(ins[0][-1]))
+        tokens = numel(ins[0][:-2])
     else:  # mamba: every channel its own d_state-wide state
         heads = kv_heads = int(ins[0][1])
         head_dim, v_head_dim = int(ins[2][-1]), 1
@@ -160,6 +170,8 @@ def _recurrent_core(core: list[Node], qkv: list[Node]) -> FusedOp:
              "kernels": len(conv) + 1 + len(inner)}
     if variant == "gated_deltanet":
         attrs["scan_chunk"] = DELTA_CHUNK
+    elif variant == "mamba2":
+        attrs["scan_chunk"] = ssd_chunk(scan)
     reduced = [int(p.shape[0]) for n in inner for p in n.params
                if len(p.shape) == 2 and int(p.shape[1]) == heads]  # weight [out, channels]
     if reduced:
@@ -333,7 +345,7 @@ def _layer_ops(nodes: list[Node], tokens: int = 0) -> tuple[list[FusedOp], int]:
     return ops, other
 
 
-RECURRENT_KIND_PREFIX = {"gated_deltanet": "linear_attn", "mamba": "mamba"}
+RECURRENT_KIND_PREFIX = {"gated_deltanet": "linear_attn", "mamba": "mamba", "mamba2": "mamba2"}
 
 
 def _signature(nodes: list[Node]) -> tuple:
