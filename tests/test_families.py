@@ -217,9 +217,10 @@ FALCON_H1 = {  # Falcon-H1's layout (Mamba-2 mixer beside attention in every lay
 
 
 def test_every_command_refuses_recurrent_layers_it_does_not_model_by_name(tmp_path, capsys):
-    """Mamba-2 layers (Falcon-H1's chunked scan) keep a constant state the cost model has no
-    kind for: simulate, inspect and compile refuse them by name (one line, exit 2) instead
-    of pricing them as attention; Gated DeltaNet and Mamba-1 are modelled
+    """Falcon-H1 runs its Mamba-2 mixer in parallel with attention in every layer (two cores
+    in one layer, which the cost model has no kind for): simulate, inspect and compile refuse
+    them by name (one line, exit 2) instead of pricing them as attention; Gated DeltaNet,
+    Mamba-1 and Mamba-2 in layers of their own (Nemotron-H) are modelled
     (tests/test_hybrid_models.py)."""
     cfg = tmp_path / "falcon_h1" / "config.json"
     cfg.parent.mkdir()
@@ -234,7 +235,7 @@ def test_every_command_refuses_recurrent_layers_it_does_not_model_by_name(tmp_pa
         rc = main(argv)
         lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("shardc:")]
         assert rc == 2 and len(lines) == 1 and part in lines[0], (argv[0], lines)
-        assert "not supported" in lines[0]
+        assert "not supported" in lines[0] and "beside attention in the same layer" in lines[0]
     assert not out.exists()
 
 

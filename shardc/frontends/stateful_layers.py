@@ -75,9 +75,7 @@ def modelled_layers(model) -> set[int]:
 
     out: set[int] = set()
     modules = dict(model.named_modules())
-    with_attention = {int(m.group(1)) for path, mod in modules.items()
-                      if type(mod).__name__.endswith("Attention")
-                      and (m := _LAYER.search(path + ".")) is not None}
+    with_attention = _layers_with_attention(modules)
     for path, mod in modules.items():
         if not isinstance(mod, nn.Conv1d) or "." not in path:
             continue
@@ -87,6 +85,13 @@ def modelled_layers(model) -> set[int]:
                 and int(m.group(1)) not in with_attention:
             out.add(int(m.group(1)))
     return out
+
+
+def _layers_with_attention(modules: dict) -> set[int]:
+    """Decoder-layer indices holding a module whose class name ends in ``Attention``."""
+    return {int(m.group(1)) for path, mod in modules.items()
+            if type(mod).__name__.endswith("Attention")
+            and (m := _LAYER.search(path + ".")) is not None}
 
 
 def _layer_list(layers: list[int], shown: int = 6) -> str:
@@ -110,11 +115,13 @@ def refuse_stateful_layers(model, where: str) -> None:
     layers = sorted(found)
     kinds = sorted(set(found.values()))
     of = f" of {total}" if isinstance(total, int) else ""
+    beside = ", beside attention in the same layer (two cores)" \
+        if set(layers) <= _layers_with_attention(dict(model.named_modules())) else ""
     raise InputError(
         f"{where}: {family}: {len(layers)}{of} layers ({_layer_list(layers)}) are linear "
         f"attention / state-space layers ({', '.join(kinds)}): a recurrent state that does not "
-        "grow with context, which shardc does not model yet (it will not price them as "
-        "attention with a KV cache) -- not supported")
+        f"grow with context{beside}, which shardc does not model yet (it will not price them "
+        "as attention with a KV cache) -- not supported")
 
 
 def check_traced_recurrent_layers(model, graph, where: str) -> None:
