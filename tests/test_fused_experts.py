@@ -94,8 +94,12 @@ def test_dbrx_plans_with_both_launch_scripts_and_no_parallelize_py(tmp_path, cap
     rc = main(["compile", str(_dbrx_config(tmp_path)), "--mesh", "8x1", "--search", "megatron",
                "--budget", "1", "--context", "4096", "--batch", "64", "--out", str(out),
                "--quiet"])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 0
+    assert (f"DbrxExperts stores each expert projection as one [{E * F}, {H}] parameter "
+            f"(mlp.w1, mlp.v1, mlp.w2); traced as grouped matmuls over [{E}, {F}, {H}] views"
+            in captured.err), captured.err
     plan = json.loads((out / "plan.json").read_text())
     assert plan["model"]["params"] == total
     kind = plan["layer_kinds"][0]

@@ -84,8 +84,11 @@ def load_graph(path: str | Path, tiny: bool = False) -> Graph:
             from shardc.frontends.stateful_layers import check_traced_recurrent_layers
 
             check_traced_recurrent_layers(model, graph, src.source)
-    if src.notes:
-        graph.config["frontend_notes"] = list(src.notes)
+    from shardc.frontends.fused_experts import fused_experts_note
+
+    notes = list(src.notes) + [n for n in (fused_experts_note(model),) if n]
+    if notes:
+        graph.config["frontend_notes"] = notes
     if src.checkpoint:
         graph.config["checkpoint"] = dict(src.checkpoint)
     _print_notes(graph)

@@ -84,3 +84,18 @@ def fused_experts(model: nn.Module):
             for n, p in originals.items():
                 setattr(glu, n, p)
             del mod.forward
+
+
+def fused_experts_note(model: nn.Module) -> str | None:
+    """The frontend's note on a model with fused experts (printed by every command, as the
+    other substitutions are), None without any."""
+    mods = fused_expert_modules(model)
+    if not mods:
+        return None
+    mod = mods[0]
+    sub_name, names = FUSED_EXPERT_CLASSES[type(mod).__name__]
+    e, f, h = int(mod.num_experts), int(mod.ffn_hidden_size), int(mod.hidden_size)
+    return (f"{type(mod).__name__} stores each expert projection as one [{e * f}, {h}] "
+            f"parameter ({', '.join(f'{sub_name}.{n}' for n in names)}); traced as grouped "
+            f"matmuls over [{e}, {f}, {h}] views of them (the same weights), which plan.json "
+            "lists")
