@@ -213,3 +213,26 @@ def test_mamba2_layers_are_kinds_of_their_own_with_the_ssd_scan(tmp_path):
     assert not (out / "parallelize.py").exists()
     for script in ("launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
         assert (out / script).is_file()
+
+
+def test_bamba_mamba2_layers_trace_to_the_same_kinds(tmp_path):
+    """Bamba (Mamba-2 layers of their own beside attention layers) calls the same SSD scan:
+    its Mamba-2 layers are modelled; state 8 heads x 64 x 16 + conv (512 + 2 x 2 x 16) x 3."""
+    from transformers import BambaConfig
+
+    from shardc.frontends import load_graph
+
+    data = BambaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=64,
+                       mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16).to_dict()
+    data = {k: v for k, v in data.items() if k != "time_step_limit"}  # inf: not JSON
+    cfg = tmp_path / "bamba" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(dict(data, architectures=["BambaForCausalLM"])))
+    kinds = {k.name: k for k in load_graph(cfg).layer_kinds}
+    assert {n: k.count for n, k in kinds.items()} == {"mamba2_dense_block": 3, "dense_block": 1}
+    a = kinds["mamba2_dense_block"].op("attn_core").attrs
+    assert (a["heads"], a["kv_heads"], a["scan_chunk"]) == (8, 2, 16)
+    assert a["state_elems_per_sequence"] == 8 * 64 * 16 + (512 + 2 * 2 * 16) * 3
+    assert kinds["dense_block"].op("attn_core").attrs["kv_cache_elems_per_token"] == 2 * 2 * 64

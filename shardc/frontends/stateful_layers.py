@@ -8,7 +8,7 @@ the config's ``layer_types`` calls anything but an attention or FFN-only layer
 
 A layer is *modelled* when its recurrent module's forward calls one of the kernel functions
 :mod:`shardc.frontends.recurrent_kernels` traces as one node (Gated DeltaNet's chunked delta
-rule: Qwen3-Next; Mamba's selective scan: Jamba; Mamba-2's chunked SSD scan: Nemotron-H)
+rule: Qwen3-Next; Mamba's selective scan: Jamba; Mamba-2's chunked SSD scan: Nemotron-H, Bamba)
 and the layer holds no attention beside it; the cost model then prices it with its own op
 kinds (``causal_conv``, ``recurrent_scan``: a constant per-sequence state, no KV cache).
 Every other such layer (Falcon-H1's Mamba-2 mixer in parallel with attention in one layer,
