@@ -174,7 +174,19 @@ def _check_placements(data: dict, deg: Degrees, where: str) -> None:
               full="input_placements" in o)
         if o["name"].split(".")[-1] != o["kind"]:
             raise InputError(f"{where}: ops: {o['name']!r} is not an op of kind {o['kind']!r}")
+    mixed = deg.experts_resplit and deg.moe_tp > 1 and deg.moe_ep > 1
     for p in data["params"]:
+        if "mesh_dims" in p:  # the experts mesh of a mixed experts split (moe_ep, moe_tp)
+            if not mixed or list(p["mesh_dims"]) != ["moe_ep", "moe_tp"] \
+                    or p.get("expert_dim") is None:
+                raise InputError(f"{where}: param {p['fqn']!r}: mesh_dims {p['mesh_dims']} "
+                                 "(only the expert weights of a split with moe_tp and moe_ep "
+                                 "both > 1 have them: ['moe_ep', 'moe_tp'])")
+            if len(p["placements"]) != 2:
+                raise InputError(f"{where}: param {p['fqn']!r} has {len(p['placements'])} "
+                                 "placements for its 2 mesh dims ['moe_ep', 'moe_tp']")
+            check(p["placements"], len(p["shape"]), f"param {p['fqn']!r}", full=False)
+            continue
         check(p["placements"], len(p["shape"]), f"param {p['fqn']!r}")
     for n in data["nodes"]:
         # node placements follow the annotation's [tokens, features] activation model, so

@@ -189,17 +189,19 @@ def test_which_engine_expresses_which_split(engine, tp, ep, mt, me, dense, ok):
     assert experts_split_ok(engine, tp, ep, mt, me, dense) is ok
 
 
-def test_backend_gate_runs_the_all_tp_and_all_ep_splits_only():
-    """parallelize.py / the runtime run moe_tp = tp x ep and moe_ep = tp x ep (the
-    all-gather dispatch, :mod:`shardc.runtime.gathered_experts`); another split is refused."""
+def test_backend_gate_runs_every_split():
+    """parallelize.py / the runtime run every experts split that tiles the tp x ep ranks:
+    all-TP, all-EP and mixed (moe_tp and moe_ep both > 1, e.g. DeepSeek-V3's tp8 with expert
+    TP2 x EP4; :mod:`shardc.runtime.gathered_experts`)."""
     from shardc.backends.support import experts_split_problem, plan_verdict
 
     for deg in (Degrees(ep=8), Degrees(ep=8, moe_tp=8), Degrees(tp=2, ep=4, moe_tp=8),
-                Degrees(tp=2, ep=4, moe_ep=8)):
+                Degrees(tp=2, ep=4, moe_ep=8), Degrees(tp=8, moe_tp=2, moe_ep=4),
+                Degrees(ep=8, moe_tp=4, moe_ep=2)):
         assert experts_split_problem(deg) is None, deg
     deg = Degrees(tp=8, moe_tp=2, moe_ep=4)
     v = plan_verdict({"runs": True, "reason": None}, [Strategy(deg, 8, {})])
-    assert v["runs"] is False and "moe_tp=2 x moe_ep=4" in v["reason"]
+    assert v == {"runs": True, "reason": None}
 
 
 # ------------------------------------------------------------------ published numbers
@@ -288,10 +290,32 @@ def test_compile_writes_the_split_into_plan_json(tmp_path, capsys):
         assert r["local_shape"][r["expert_dim"]] == r["shape"][r["expert_dim"]]
     flags = plan["launch"]["vllm"]["pools"][0]["flags"]
     assert "--enable-expert-parallel" not in flags
-    capsys.readouterr()
-    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "50",
-                 "--degrees", "dp_attn=4,moe_tp=2", "--out", str(tmp_path / "p")]) == 2
-    assert "factors a mesh dim in two" in capsys.readouterr().err
+
+
+def test_compile_places_a_mixed_split_on_the_experts_mesh(tmp_path):
+    """The tiny Mixtral at tp=4, moe_tp=2 x moe_ep=2 (a mixed split: no placement per mesh
+    dim says it): the expert rows live on the experts mesh ``(moe_ep, moe_tp)`` -- the
+    expert dim over moe_ep, each expert's column / row dim over moe_tp, 1/4 of every expert
+    layer per rank -- the backend runs it and parallelize.py applies the gathered experts
+    style with the int split; the router is replicated (every rank routes the gathered
+    tokens)."""
+    out = tmp_path / "o"
+    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "4x1", "--budget", "20",
+                 "--degrees", "tp=4,moe_tp=2,moe_ep=2", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["degrees"]["moe_tp"], plan["degrees"]["moe_ep"]) == (2, 2)
+    assert plan["backend"] == {"runs": True, "reason": None}
+    assert "split=2)" in (out / "parallelize.py").read_text()
+    assert all(o["choice"] == "rep" for o in plan["ops"] if o["kind"] == "router")
+    rows = [r for r in plan["params"] if r.get("expert_dim") is not None]
+    assert rows
+    for r in rows:
+        cut = r["split_dims"][0 if r["op"] == "expert_ffn1" else 1]
+        assert r["mesh_dims"] == ["moe_ep", "moe_tp"]
+        assert r["placements"] == [f"S({r['expert_dim']})", f"S({cut})"]
+        assert r["local_shape"][cut] * 2 == r["shape"][cut]
+        assert r["local_shape"][r["expert_dim"]] * 2 == r["shape"][r["expert_dim"]]
+    assert all("mesh_dims" not in r for r in plan["params"] if r.get("expert_dim") is None)
 
 
 def test_verify_runs_a_resplit_plan_scaled_down(tmp_path, capsys):
@@ -306,3 +330,17 @@ def test_verify_runs_a_resplit_plan_scaled_down(tmp_path, capsys):
                  "--world", "4"]) == 0
     text = capsys.readouterr().out
     assert "ep 4->2" in text and "moe_tp 8->4" in text and "verify OK" in text
+
+
+def test_verify_runs_a_mixed_split_scaled_down(tmp_path, capsys):
+    """DeepSeek-V3's ``tp8`` with expert TP2 x EP4 on the tiny Mixtral: verify scales it to 4
+    gloo ranks keeping it mixed (tp 8->4, moe_ep 4->2: moe_tp=2 x moe_ep=2) and the scaled
+    parallelize.py's logits equal the unsharded model's."""
+    out = tmp_path / "o"
+    assert main(["compile", "examples/tiny_mixtral.py", "--mesh", "8x1", "--budget", "20",
+                 "--degrees", "tp=8,moe_tp=2,moe_ep=4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "examples/tiny_mixtral.py", "--plan", str(out / "plan.json"),
+                 "--world", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "tp 8->4" in text and "moe_ep 4->2" in text and "verify OK" in text

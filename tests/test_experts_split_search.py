@@ -161,14 +161,16 @@ def test_backend_verdict_reads_the_one_place(monkeypatch):
 
     assert experts_split_problem(Degrees(tp=1, ep=8, pp=1, dp=1, moe_tp=8, moe_ep=1)) is None
     mixed = Degrees(tp=1, ep=8, pp=1, dp=1, moe_tp=2, moe_ep=4)
-    assert experts_split_problem(mixed)
-    monkeypatch.setattr(engines, "dtensor_runs_split", lambda tp, ep, mt, me: mt * me == tp * ep)
-    assert experts_split_problem(mixed) is None
+    assert experts_split_problem(mixed) is None  # the backend runs mixed splits too
+    monkeypatch.setattr(engines, "dtensor_runs_split",
+                        lambda tp, ep, mt, me: mt * me == tp * ep and 1 in (mt, me))
+    assert "moe_tp=2 x moe_ep=4" in experts_split_problem(mixed)
 
 
 def test_searched_resplits_are_the_ones_plan_json_places():
-    """Compile refuses a split with moe_tp and moe_ep both > 1 (its placements cannot say
-    it), so no search returns one: every engine's best over Mixtral 8x1 decode at 32k is
+    """The searches sweep the splits whose placements are one per mesh dim
+    (``plan_places_split``; a mixed split, moe_tp and moe_ep both > 1, is compiled from
+    ``--degrees`` but not swept): every engine's best over Mixtral 8x1 decode at 32k is
     default, all-TP or all-EP."""
     _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode", context=32768, engine="sglang")
     for mode, ms, sp in engine_mode_spaces(space, "sglang"):

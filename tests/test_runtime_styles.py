@@ -70,6 +70,9 @@ CASES = {
     "mixtral tp2 dp_attn2 moe_tp4": (MIXTRAL, {"tp": 2, "ep": 2, "moe_tp": 4}, MOE),
     "mixtral tp2 dp_attn2 moe_ep4": (MIXTRAL, {"tp": 2, "ep": 2, "moe_ep": 4}, MOE),
     "mixtral tp4 moe_ep4": (MIXTRAL, {"tp": 4, "moe_ep": 4}, MOE),
+    # mixed: moe_tp=2 x moe_ep=2 on the experts mesh (the ep x tp ranks re-factored)
+    "mixtral dp_attn4 moe_tp2 moe_ep2": (MIXTRAL, {"ep": 4, "moe_tp": 2}, MOE),
+    "mixtral tp4 moe_tp2 moe_ep2": (MIXTRAL, {"tp": 4, "moe_tp": 2}, MOE),
     "mixtral ep2 tp2 replicated experts, batch attention": (
         MIXTRAL, {"ep": 2, "tp": 2},
         _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep", **BATCH_ATTN)),
@@ -298,7 +301,9 @@ def _spelled(p, dims: list[str]) -> list[str]:
                                   "mixtral ep2 tp2 replicated experts, batch attention",
                                   "deepseek MLA megatron tp4", "deepseek ep2 tp2 batch-split MLA, shared rep",
                                   "llama megatron + sequence parallel tp4",
-                                  "mixtral sp ep2 tp2, replicated experts"])
+                                  "mixtral sp ep2 tp2, replicated experts",
+                                  "mixtral dp_attn4 moe_tp2 moe_ep2",
+                                  "mixtral tp4 moe_tp2 moe_ep2"])
 def test_parameter_placements_equal_plan_rows(emitted, name):
     """On 4 fake ranks: each parameter's placements and local shape == its plan.json row."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -323,8 +328,8 @@ def assert_placements_match(model, plan) -> None:
     params = dict(model.named_parameters())
     assert set(params) == set(rows)
     sharded = 0
-    for fqn, p in params.items():
-        assert _spelled(p, dims) == rows[fqn]["placements"], fqn
+    for fqn, p in params.items():  # a mixed split's experts: their own mesh's dims
+        assert _spelled(p, rows[fqn].get("mesh_dims") or dims) == rows[fqn]["placements"], fqn
         local = p.to_local() if isinstance(p, DTensor) else p
         assert list(local.shape) == rows[fqn]["local_shape"], fqn
         sharded += "S(" in str(rows[fqn]["placements"])

@@ -3,7 +3,8 @@
 :class:`~shardc.runtime.gathered_experts.GatheredExperts` style on the sparse-MoE block
 (the experts' parent module), applied on the ep x tp mesh -- the all-gather dispatch the
 cost model charges (:func:`shardc.cost.moe_dispatch.gather_exchange`). Covered: all-TP
-(``moe_tp = tp x ep``) and all-EP (``moe_ep = tp x ep``) splits of HF stacked experts
+(``moe_tp = tp x ep``), all-EP (``moe_ep = tp x ep``) and mixed (both > 1, on the experts
+mesh ``(moe_ep, moe_tp)``) splits of HF stacked experts
 (``[E, out, in]``, one weight per matmul, expert dim 0), column / row experts and a
 replicated router, no shared experts beside them (else
 :class:`~shardc.backends.style_entry.NotCovered`)."""
@@ -11,6 +12,7 @@ replicated router, no shared experts beside them (else
 from __future__ import annotations
 
 from shardc.backends.emit_text import _literal
+from shardc.backends.runtime_walks import gather_split
 from shardc.backends.style_entry import Entry, NotCovered
 from shardc.ir.contract import CHOICE_NAMES
 
@@ -19,9 +21,7 @@ def gathered_entry(kind: str, lm, choice, deg):
     """The :class:`~shardc.backends.style_entry.Entry` of a re-split layer ``lm`` (its
     :class:`~shardc.backends.torch_styles.LayerModules`); ``choice(op)`` the op's choice
     index."""
-    split = "tp" if deg.moe_ep == 1 else "ep" if deg.moe_tp == 1 else None
-    if split is None:
-        raise NotCovered(f"{kind}: the experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}")
+    split = gather_split(deg)
     names = tuple(CHOICE_NAMES[op][choice(op)] for op in ("expert_ffn1", "expert_ffn2"))
     if names != ("col", "row") or CHOICE_NAMES["router"][choice("router")] != "rep":
         raise NotCovered(f"{kind}: re-split experts {'/'.join(names)} (covered: col/row "
@@ -50,7 +50,9 @@ def gathered_entry(kind: str, lm, choice, deg):
     group = deg.tp * deg.ep
     what = (f"experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}: "
             + (f"every expert at 1/{group} of its width" if split == "tp" else
-               f"{group} ways by expert")
+               f"{group} ways by expert" if split == "ep" else
+               f"{deg.moe_ep} ways by expert, each at 1/{deg.moe_tp} of its width on the "
+               "experts mesh (moe_ep, moe_tp)")
             + f"; all_gather of the tokens over ep={deg.ep}, reduce_scatter over ep"
             + (f", all_reduce over tp={deg.tp}" if deg.tp > 1 else "") + " after the block")
     return Entry(block, style, what)

@@ -16,7 +16,11 @@ from it (:func:`rows_with_ops`).
 Placements here are per *SPMD* mesh dim: the logical mesh without ``pp`` (pipeline stages
 hold whole parameters; the stage split is :func:`shardc.ir.strategy.pipeline_stages`).
 Over ``dp`` every parameter is replicated; over ``ep`` expert weights are ``S(<expert dim>)``
-and everything else replicated; over ``tp`` the op choice decides.
+and everything else replicated; over ``tp`` the op choice decides. The one exception: the
+expert weights of a mixed experts split (``moe_tp`` and ``moe_ep`` both > 1 and not (tp,
+ep)) live on the experts mesh ``(moe_ep, moe_tp)`` -- the ep x tp ranks re-factored,
+:func:`shardc.runtime.gathered_experts.experts_mesh` -- and their rows say so: ``mesh_dims
+["moe_ep", "moe_tp"]``, placements one per those dims (:func:`row_mesh_dims`).
 """
 
 from __future__ import annotations
@@ -132,10 +136,28 @@ def kv_projections(graph, uses: dict) -> dict[str, int]:
     return out
 
 
-def local_shape(shape: list[int], placements: list[str], degrees: Degrees) -> list[int]:
-    """Per-rank shape of a tensor of global ``shape`` under ``placements`` (SPMD dims)."""
+EXPERTS_MESH_DIMS = ["moe_ep", "moe_tp"]  # a mixed split's experts mesh (ep x tp re-factored)
+
+
+def mixed_split(degrees: Degrees) -> bool:
+    """The experts split ``moe_tp x moe_ep`` with both > 1, other than (tp, ep): no
+    placement per SPMD mesh dim says it (it factors a mesh dim in two), so its expert
+    weights live on the experts mesh :data:`EXPERTS_MESH_DIMS`."""
+    return degrees.experts_resplit and degrees.moe_tp > 1 and degrees.moe_ep > 1
+
+
+def row_mesh_dims(row: dict, degrees: Degrees) -> list[str]:
+    """The mesh dims a params row's ``placements`` refer to: its ``mesh_dims`` (the experts
+    mesh of a mixed split), else the SPMD dims."""
+    return list(row.get("mesh_dims") or spmd_dims(degrees))
+
+
+def local_shape(shape: list[int], placements: list[str], degrees: Degrees,
+                dims: list[str] | None = None) -> list[int]:
+    """Per-rank shape of a tensor of global ``shape`` under ``placements`` over ``dims``
+    (the SPMD dims unless given; a dim's size is the degree of that name)."""
     out = list(shape)
-    for dim, p in zip(spmd_dims(degrees), placements):
+    for dim, p in zip(dims or spmd_dims(degrees), placements):
         if p.startswith("S("):
             d = int(p[2:-1])
             n = getattr(degrees, dim)
@@ -196,25 +218,26 @@ def resplit_expert_placements(use: dict, dims: list, ndim: int, strategy: Strate
                               kind: str | None) -> list[str]:
     """Placements of a stacked expert weight whose experts are split moe_tp x moe_ep other
     than (tp, ep) (:class:`~shardc.ir.strategy.Degrees`): all tensor-parallel (moe_ep = 1:
-    its op's column / row dim cut over ep and tp, ep outer) or all expert-parallel (moe_tp
-    = 1: the expert dim cut over both). Another split factors one mesh dim in two, which a
-    placement per mesh dim cannot say: InputError (``shardc simulate`` prices it)."""
+    its op's column / row dim cut over ep and tp, ep outer), all expert-parallel (moe_tp
+    = 1: the expert dim cut over both), or mixed (both > 1: over the experts mesh
+    :data:`EXPERTS_MESH_DIMS`, the expert dim over moe_ep and the column / row dim over
+    moe_tp). A split cutting the width of experts that do not run column / row: InputError."""
     from shardc.errors import InputError
 
     d = strategy.degrees
-    if d.moe_ep == 1:
-        c = op_choice(strategy, use["op"], kind)
-        cut = dims[c] if c in (0, 1) and dims[c] is not None and dims[c] < ndim else None
-    elif d.moe_tp == 1:
-        cut = use["expert_dim"]
-    else:
-        cut = None
-    if cut is None:
+    c = op_choice(strategy, use["op"], kind)
+    width = dims[c] if c in (0, 1) and dims[c] is not None and dims[c] < ndim else None
+    if d.moe_tp == 1:
+        return [f"S({use['expert_dim']})" if dim in ("ep", "tp") else "R"
+                for dim in spmd_dims(d)]
+    if width is None:
         raise InputError(f"the experts split moe_tp={d.moe_tp} x moe_ep={d.moe_ep} over "
-                         f"tp={d.tp} x dp_attn={d.ep} factors a mesh dim in two, which "
-                         "plan.json's placements cannot say (compile takes moe_tp = tp x "
-                         "dp_attn or moe_ep = tp x dp_attn; shardc simulate prices any split)")
-    return [f"S({cut})" if dim in ("ep", "tp") else "R" for dim in spmd_dims(d)]
+                         f"tp={d.tp} x dp_attn={d.ep} cuts each expert's width, which "
+                         f"{use.get('op')} {choice_key(use['op'], kind)!r} does not split "
+                         "(the split runs column / row experts)")
+    if d.moe_ep == 1:
+        return [f"S({width})" if dim in ("ep", "tp") else "R" for dim in spmd_dims(d)]
+    return [f"S({use['expert_dim']})", f"S({width})"]  # over EXPERTS_MESH_DIMS
 
 
 def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list[dict]:
@@ -249,7 +272,11 @@ def param_plan(graph, strategy: Strategy, kind_of_layer: dict[int, str]) -> list
         placed = list(shape)
         if repeat > 1:  # the runtime places the repeated KV heads (out features)
             placed[use["split_dims"][0]] *= repeat
+        mesh = {}
+        if use.get("expert_dim") is not None and mixed_split(strategy.degrees):
+            mesh = {"mesh_dims": list(EXPERTS_MESH_DIMS)}
         rows.append({"fqn": p.fqn, "shape": shape, "placements": pl,
-                     "local_shape": local_shape(placed, pl, strategy.degrees),
-                     "stage": stage, **use})
+                     "local_shape": local_shape(placed, pl, strategy.degrees,
+                                                mesh.get("mesh_dims")),
+                     "stage": stage, **mesh, **use})
     return rows

@@ -10,6 +10,13 @@ from shardc.ir.contract import BRANCHES, CHOICE_NAMES, branch_ends, walk
 from shardc.ir.strategy import Degrees, residual_placement
 
 
+def gather_split(deg):
+    """The ``split`` argument of :class:`~shardc.runtime.gathered_experts.GatheredExperts`
+    (and the fast runtime walk's ``gather``) for re-split degrees ``deg``: ``"tp"`` (moe_ep
+    = 1), ``"ep"`` (moe_tp = 1) or the int moe_tp of a mixed split."""
+    return "tp" if deg.moe_ep == 1 else "ep" if deg.moe_tp == 1 else int(deg.moe_tp)
+
+
 def _steps(w) -> list[list[str]]:
     return [[s.op, s.choice.name, s.need, s.produced] for s in w.steps]
 
@@ -35,7 +42,7 @@ def plan_walks(choices: dict[str, str], degrees: Degrees) -> dict:
             idx = [index(f"{kind}.{op}", op) for op in ops]
             branches[branch] = {"steps": _steps(walk(ops, idx, start, end)), "end": end}
             if branch == "experts" and degrees.experts_resplit:  # the all-gather dispatch
-                branches[branch]["gather"] = "tp" if degrees.moe_ep == 1 else "ep"
+                branches[branch]["gather"] = gather_split(degrees)
             elif branch == "experts" and res != "R":  # the tp ranks' routed rows gathered
                 branches[branch]["whole_rows"] = _steps(walk(ops, idx, "R", "R"))
     out = {"residual": res, "kinds": kinds}

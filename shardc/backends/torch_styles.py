@@ -240,9 +240,6 @@ def style_plan(plan) -> StylePlan:
 
     st = plan.strategy()
     deg = st.degrees
-    if deg.experts_resplit and 1 not in (deg.moe_tp, deg.moe_ep):
-        raise NotCovered(f"the experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep} "
-                         "(the runtime runs moe_tp = tp x dp_attn or moe_ep = tp x dp_attn)")
     rows = rows_with_ops(plan.params)
     res = residual_placement(deg)
     tp = deg.tp

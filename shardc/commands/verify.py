@@ -58,13 +58,15 @@ def fit_problem(graph, strategy, layer_kinds) -> str | None:
     dims = deg.spmd_dims()
     for r in param_plan(graph, strategy, kind_of):
         fqn, shape = r["fqn"], tuple(r["shape"])
-        for dim, spell in zip(dims, r["placements"]):
+        for dim, spell in zip(r.get("mesh_dims") or dims, r["placements"]):
             n = getattr(deg, dim)
             if spell.startswith("S(") and shape[int(spell[2:-1])] % n:
                 return f"{fqn} {shape} does not split {n} ways ({dim})"
-            if dim == "tp" and spell.startswith("S(") and any(w % n for w in r.get("parts", ())):
+            if dim in ("tp", "moe_tp") and spell.startswith("S(") and \
+                    any(w % n for w in r.get("parts", ())):
                 return f"{fqn} {shape}: packed parts {r['parts']} do not split {n} ways"
-        if deg.experts_resplit and r.get("expert_dim") is not None:  # cut over ep x tp at once
+        if deg.experts_resplit and r.get("expert_dim") is not None \
+                and "mesh_dims" not in r:  # cut over ep x tp at once
             n = deg.tp * deg.ep
             cut = r["placements"][0]
             if cut.startswith("S(") and (shape[int(cut[2:-1])] % n
@@ -96,9 +98,11 @@ def fit_degrees(graph, strategy, layer_kinds, world: int):
         prod = deg["tp"] * deg["ep"] * deg["pp"] * deg["dp"]
         if prod > world or world % prod:
             continue
-        cand = Strategy(Degrees(**deg, sp=deg["tp"] if d0.sp > 1 else 1,
-                                **_scaled_split(d0, deg["tp"], deg["ep"])), strategy.batch,
-                        dict(strategy.choices))
+        split = _scaled_split(d0, deg["tp"], deg["ep"])
+        if split is None:
+            continue  # a mixed split has no mixed counterpart on so few ranks
+        cand = Strategy(Degrees(**deg, sp=deg["tp"] if d0.sp > 1 else 1, **split),
+                        strategy.batch, dict(strategy.choices))
         if d0.experts_resplit and not cand.degrees.experts_resplit:
             continue  # the experts' own split would become the default: another strategy
         if fit_problem(graph, cand, layer_kinds) is not None:
@@ -188,12 +192,20 @@ def _check_args(args) -> None:
     check_number(args.seq, "--seq", integer=True, minimum=1, maximum=MAX_SEQ, unit="tokens")
 
 
-def _scaled_split(d0, tp: int, ep: int) -> dict[str, int]:
+def _scaled_split(d0, tp: int, ep: int) -> dict[str, int] | None:
     """The experts split of the plan's degrees ``d0`` at the scaled ``tp`` x ``ep``: the same
-    kind (all-TP: moe_tp = tp x ep; all-EP: moe_ep = tp x ep); none for the default split."""
+    kind (all-TP: moe_tp = tp x ep; all-EP: moe_ep = tp x ep; mixed: both > 1, moe_tp the
+    largest divisor of tp x ep up to the plan's that leaves moe_ep > 1, None when there is
+    none); empty for the default split."""
     if not d0.experts_resplit:
         return {}
-    return {"moe_tp": tp * ep, "moe_ep": 1} if d0.moe_ep == 1 else {"moe_tp": 1, "moe_ep": tp * ep}
+    group = tp * ep
+    if d0.moe_ep == 1:
+        return {"moe_tp": group, "moe_ep": 1}
+    if d0.moe_tp == 1:
+        return {"moe_tp": 1, "moe_ep": group}
+    mixed = [m for m in range(2, min(d0.moe_tp, group // 2) + 1) if group % m == 0]
+    return {"moe_tp": mixed[-1], "moe_ep": group // mixed[-1]} if mixed else None
 
 
 def _degree_caps(strategy, world: int) -> dict[str, int]:

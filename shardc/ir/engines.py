@@ -135,24 +135,28 @@ DTENSOR_SEARCH_SWEEPS_RESPLITS = False
 
 
 def plan_places_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
-    """Whether plan.json's placements say the experts split (one placement per mesh dim:
-    the default, all-TP ``moe_ep = 1`` or all-EP ``moe_tp = 1``;
-    :func:`shardc.backends.layout.resplit_expert_placements`); compile refuses the others,
-    so the searches sweep only these (``shardc simulate`` prices any)."""
+    """Whether the searches sweep the experts split ``moe_tp x moe_ep`` at (tp, ep): the
+    default, all-TP ``moe_ep = 1`` or all-EP ``moe_tp = 1`` (its placements one per mesh
+    dim, :func:`shardc.backends.layout.resplit_expert_placements`). A mixed split (both >
+    1) is compiled and run when ``--degrees`` fixes it (its expert weights on the experts
+    mesh ``(moe_ep, moe_tp)``) but not swept: each swept split is one more run of the
+    searcher."""
     mt, me = int(moe_tp), int(moe_ep)
     return (mt, me) == (int(tp), int(ep)) or (mt * me == int(tp) * int(ep) and 1 in (mt, me))
 
 
 def dtensor_runs_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
     """THE one place saying which experts splits ``moe_tp x moe_ep`` over tp x ep ranks the
-    DTensor backend (``parallelize.py`` and the fast runtime) runs: the default (``moe_tp =
-    tp``, ``moe_ep = ep``), all-TP (``moe_tp = tp x ep``) and all-EP (``moe_ep = tp x ep``;
+    DTensor backend (``parallelize.py`` and the fast runtime) runs: every split that tiles
+    the tp x ep ranks -- the default (``moe_tp = tp``, ``moe_ep = ep``), all-TP (``moe_tp =
+    tp x ep``), all-EP (``moe_ep = tp x ep``) and mixed ones (both > 1, on the experts mesh;
     :mod:`shardc.runtime.gathered_experts`). plan.json ``backend``
     (:func:`shardc.backends.support.experts_split_problem`) and the dtensor search
     (:func:`searched_splits` with ``"dtensor"``, when
     :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`) read it."""
     mt, me = int(moe_tp), int(moe_ep)
-    return (mt, me) == (int(tp), int(ep)) or (mt * me == int(tp) * int(ep) and 1 in (mt, me))
+    return (mt, me) == (int(tp), int(ep)) or (mt >= 1 and me >= 1
+                                              and mt * me == int(tp) * int(ep))
 
 
 def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,

@@ -194,10 +194,12 @@ class StrategySpace:
 
     def _experts_megatron_only(self) -> None:
         """A fixed experts split runs the experts column / row over moe_tp (their legality
-        at moe_tp is :meth:`_check_fixed_experts_split`'s): one choice per expert slot."""
+        at moe_tp is :meth:`_check_fixed_experts_split`'s) after a replicated router (every
+        rank routes the gathered tokens, as the engines and
+        :mod:`shardc.runtime.gathered_experts` do): one choice per expert / router slot."""
         for i, slot in enumerate(self.op_slots):
             op = slot.split(".")[-1]
-            if op in ("expert_ffn1", "expert_ffn2"):
+            if op in ("expert_ffn1", "expert_ffn2", "router"):
                 self.op_mask_by_tp[:, i, :] = False
                 self.op_mask_by_tp[:, i, MEGATRON_CHOICE[op]] = True
 

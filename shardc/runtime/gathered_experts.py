@@ -4,14 +4,19 @@ dispatch of attention data parallelism (``dp_attn`` = the ep mesh dim) with the 
 split ``moe_tp x moe_ep`` over the tp x ep ranks other than (tp, ep)
 (:class:`shardc.ir.strategy.Degrees`; docs/deploy.md, "Attention data parallel").
 
-Two splits run, each rank holding a ``1 / (tp x ep)`` share of every expert layer:
+Every split runs, each rank holding a ``1 / (tp x ep)`` share of every expert layer:
 
 * ``"tp"`` (``moe_tp = tp x ep``): every rank holds all ``E`` experts at ``1 / (tp x ep)``
   of their ffn width (the first matmul's output features, the second's input features, cut
   over ep then tp: placements ``Shard(d)`` on both mesh dims; packed gate|up interleaved per
   rank);
 * ``"ep"`` (``moe_ep = tp x ep``): every rank holds ``E / (tp x ep)`` whole experts (the
-  expert dim cut over ep then tp).
+  expert dim cut over ep then tp);
+* an int ``moe_tp`` (both > 1, e.g. DeepSeek-V3's ``tp8`` with expert TP2 x EP4): the tp x ep
+  ranks, numbered ep-major, re-factored into an experts mesh ``(moe_ep, moe_tp)`` (the same
+  ranks, :meth:`DeviceMesh._unflatten`): rank ``r`` holds expert group ``r // moe_tp`` (``E /
+  moe_ep`` whole experts, ``Shard(0)`` over ``moe_ep``) at slice ``r % moe_tp`` of their ffn
+  width (``Shard(d)`` over ``moe_tp``; gate|up interleaved per moe_tp rank).
 
 The MoE block (router + experts) then runs as the engines run it and the cost model charges
 it (:func:`shardc.cost.moe_dispatch.gather_exchange`): the block's input ``[rows, seq, h]``
@@ -40,7 +45,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from shardc.runtime.local_ops import Group
 from shardc.runtime.styles import interleave
 
-SPLITS = ("tp", "ep")
+SPLITS = ("tp", "ep")  # or an int moe_tp: both moe_tp and moe_ep > 1
+EXPERTS_MESH_DIMS = ("moe_ep", "moe_tp")  # a mixed split's experts mesh (plan.json mesh_dims)
 
 
 def _groups(device_mesh):
@@ -56,40 +62,76 @@ def _groups(device_mesh):
     return groups.get("ep"), groups.get("tp"), index, count
 
 
+def split_sizes(split, count: int) -> tuple[int, int]:
+    """(moe_tp, moe_ep) of ``split`` (``"tp"``, ``"ep"`` or an int moe_tp) over ``count``
+    = tp x ep ranks (ValueError when it does not tile them)."""
+    moe_tp = count if split == "tp" else 1 if split == "ep" else split
+    if isinstance(moe_tp, bool) or not isinstance(moe_tp, int) or moe_tp < 1 \
+            or count % moe_tp:
+        raise ValueError(f"split {split!r} is not one of {SPLITS} or an int moe_tp "
+                         f"dividing the {count} experts ranks")
+    return moe_tp, count // moe_tp
+
+
+def experts_mesh(device_mesh, moe_tp: int, moe_ep: int):
+    """The ep x tp ranks of ``device_mesh`` (ep outer) re-factored as a 2-D mesh
+    ``(moe_ep, moe_tp)`` over the same ranks: rank ``ep_rank x tp + tp_rank`` sits at
+    ``(r // moe_tp, r % moe_tp)``. Made once per mesh and split (its process groups), kept
+    on ``device_mesh`` for the other layers."""
+    made = device_mesh.__dict__.setdefault("_shardc_experts_meshes", {})
+    if moe_tp not in made:
+        from torch.distributed.device_mesh import DeviceMesh
+        made[moe_tp] = DeviceMesh(device_mesh.device_type,
+                                  device_mesh.mesh.reshape(moe_ep, moe_tp),
+                                  mesh_dim_names=EXPERTS_MESH_DIMS, _init_backend=False)
+    return made[moe_tp]
+
+
 class GatheredExperts(ParallelStyle):
     """The all-gather dispatch on an HF sparse-MoE block (its ``forward(hidden [b, s, h])``
     runs the router then ``experts(tokens, top_k_index, top_k_weights)``), applied to the
     block on the ep x tp mesh (module docstring). ``experts``: the experts child's name;
     ``weights``: each stacked weight's name -> (the dim the ``"tp"`` split cuts, the widths
-    of the parts it packs along it, or a count); ``split``: ``"tp"`` or ``"ep"``; the expert
-    dim is 0."""
+    of the parts it packs along it, or a count); ``split``: ``"tp"``, ``"ep"`` or an int
+    moe_tp (module docstring); the expert dim is 0."""
 
-    def __init__(self, *, experts: str = "experts", weights=None, split: str = "tp"):
+    def __init__(self, *, experts: str = "experts", weights=None, split="tp"):
         super().__init__()
-        if split not in SPLITS:
-            raise ValueError(f"split {split!r} is not one of {SPLITS}")
+        if split not in SPLITS and (isinstance(split, bool) or not isinstance(split, int)
+                                    or split < 1):
+            raise ValueError(f"split {split!r} is not one of {SPLITS} or an int moe_tp")
         self.experts, self.split = experts, split
         self.weights = dict(weights or {"gate_up_proj": (1, (2,)), "down_proj": (2, ())})
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         experts = module.get_submodule(self.experts)
         ep_group, tp_group, index, count = _groups(device_mesh)
+        moe_tp, moe_ep = split_sizes(self.split, count)
+        mesh = device_mesh
+        if moe_tp > 1 and moe_ep > 1:  # a mesh dim per factor: experts, then their width
+            mesh = experts_mesh(device_mesh, moe_tp, moe_ep)
         for name, (dim, parts) in self.weights.items():
             full = getattr(experts, name).detach()
-            cut = dim if self.split == "tp" else 0
-            if self.split == "tp" and parts and count > 1:  # each rank: [gate_r | up_r]
-                full = interleave(full, dim, parts if len(parts) > 1 else parts[0], count)
-            dt = distribute_tensor(full, device_mesh, [Shard(cut)] * device_mesh.ndim,
-                                   src_data_rank=self.src_data_rank)
+            if parts and moe_tp > 1:  # each moe_tp rank: [gate_r | up_r]
+                full = interleave(full, dim, parts if len(parts) > 1 else parts[0], moe_tp)
+            if mesh is device_mesh:  # one split over every mesh dim (ep then tp)
+                placements = [Shard(dim if moe_tp > 1 else 0)] * mesh.ndim
+            else:
+                placements = [Shard(0), Shard(dim)]
+            dt = distribute_tensor(full, mesh, placements, src_data_rank=self.src_data_rank)
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=False))
         names = tuple(self.weights)
         forward_local = experts.forward  # the model's own expert maths
         total = int(getattr(experts, names[0]).shape[0])
-        local = total // count if self.split == "ep" else total
-        first = index * local if self.split == "ep" else 0
+        local = total // moe_ep
+        first = index // moe_tp * local
+        if moe_ep > 1 and hasattr(experts, "_is_expert_parallel"):
+            # HF's experts kernels (grouped_mm) zero the sentinel rows only when told the
+            # experts are split: else those rows stay uninitialised memory (NaN at random)
+            experts._is_expert_parallel = True
 
         def experts_forward(hidden, top_k_index, top_k_weights):
-            if self.split == "ep":  # other ranks' experts -> the sentinel HF skips
+            if moe_ep > 1:  # other ranks' experts -> the sentinel HF skips
                 mine = (top_k_index >= first) & (top_k_index < first + local)
                 top_k_index = torch.where(mine, top_k_index - first, local)
                 top_k_weights = top_k_weights * mine.to(top_k_weights.dtype)
@@ -133,7 +175,8 @@ class GatheredExperts(ParallelStyle):
 
 class GatheredExpertsLocal:
     """The fast runtime's MoE block under the all-gather dispatch (module docstring), on the
-    local shards :class:`GatheredExperts` placed: the HF router module picks the experts of
+    local shards :class:`GatheredExperts` placed (``walk["experts"]["gather"]``: its split):
+    the HF router module picks the experts of
     the gathered tokens, the experts run as HF gated experts (``gate_up [E_local, 2f_local,
     h]``, this rank's gate slice then up slice; ``down [E_local, h, f_local]``), and the
     collectives are functional (``all_gather`` / ``reduce_scatter`` over ep, ``all_reduce``
@@ -156,8 +199,8 @@ class GatheredExpertsLocal:
         self.act = experts.act_fn
         self.num_experts = int(self.router.weight.shape[0])
         self.local_experts = int(self.gate_up.shape[0])
-        self.first = ((ep.rank * tp.size + tp.rank) * self.local_experts
-                      if self.split == "ep" else 0)
+        moe_tp, _ = split_sizes(self.split, tp.size * ep.size)
+        self.first = (ep.rank * tp.size + tp.rank) // moe_tp * self.local_experts
 
     def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
         if residual != "R":
