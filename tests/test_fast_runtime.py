@@ -6,7 +6,8 @@ The emitted file's own ``generate`` runs (its ``WALKS`` data = the contract's wa
 Llama (tp=4; tp=2 x dp=2 with batch-split attention), tiny Mixtral (ep=2 x tp=2; attention
 data parallel with the experts tensor-parallel over every rank, tp=1 x dp_attn=4 and tp=2 x
 dp_attn=2, or expert-parallel over every rank, tp=2 x dp_attn=2 and tp=4, or mixed:
-moe_tp=2 x moe_ep=2 at tp=1 x dp_attn=4 and at tp=4),
+moe_tp=2 x moe_ep=2 at tp=1 x dp_attn=4 and at tp=4; tiny DeepSeek-V3's shared expert beside
+all-TP and all-EP experts),
 tiny DeepSeek-V3 MLA (tp=4) and tiny Llama pp=2 x tp=2, the greedy tokens of 32 new tokens
 from left-padded prompts equal the unsharded HF model's, computed by its own forward with
 full recompute each step (a 2-D padding mask and the positions HF's generate would use):
@@ -41,6 +42,10 @@ CASES = {
     # mixed: 2 expert groups x 2 width slices on the experts mesh (moe_ep, moe_tp)
     "mixtral dp_attn4 moe_tp2 moe_ep2": (MIXTRAL, {"ep": 4, "moe_tp": 2}, MOE),
     "mixtral tp4 moe_tp2 moe_ep2": (MIXTRAL, {"tp": 4, "moe_tp": 2}, MOE),
+    # a shared expert beside the re-split experts, on the rank's own rows
+    "deepseek dp_attn4 moe_tp4, shared expert": (DEEPSEEK, {"ep": 4, "moe_tp": 4}, DS_MEGATRON),
+    "deepseek tp2 dp_attn2 moe_ep4, shared expert": (
+        DEEPSEEK, {"tp": 2, "ep": 2, "moe_ep": 4}, DS_MEGATRON),
 }
 
 

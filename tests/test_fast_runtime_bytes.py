@@ -30,7 +30,8 @@ BATCH = 8
 CHECKED = ["llama tp4", "llama dp2 tp2 batch-split attention", "mixtral ep2 tp2",
            "deepseek MLA tp4", "mixtral dp_attn4 moe_tp4", "mixtral tp2 dp_attn2 moe_tp4",
            "mixtral tp2 dp_attn2 moe_ep4", "mixtral tp4 moe_ep4",
-           "mixtral dp_attn4 moe_tp2 moe_ep2", "mixtral tp4 moe_tp2 moe_ep2"]
+           "mixtral dp_attn4 moe_tp2 moe_ep2", "mixtral tp4 moe_tp2 moe_ep2",
+           "deepseek dp_attn4 moe_tp4, shared expert", "deepseek tp2 dp_attn2 moe_ep4, shared expert"]
 
 
 def _decode_records(plan, walks, model_file, strategy, label, rank=0):

@@ -73,6 +73,10 @@ CASES = {
     # mixed: moe_tp=2 x moe_ep=2 on the experts mesh (the ep x tp ranks re-factored)
     "mixtral dp_attn4 moe_tp2 moe_ep2": (MIXTRAL, {"ep": 4, "moe_tp": 2}, MOE),
     "mixtral tp4 moe_tp2 moe_ep2": (MIXTRAL, {"tp": 4, "moe_tp": 2}, MOE),
+    # a shared expert beside the re-split experts, on the rank's own rows
+    "deepseek dp_attn4 moe_tp4, shared expert": (DEEPSEEK, {"ep": 4, "moe_tp": 4}, DS_MEGATRON),
+    "deepseek tp2 dp_attn2 moe_ep4, shared expert": (
+        DEEPSEEK, {"tp": 2, "ep": 2, "moe_ep": 4}, DS_MEGATRON),
     "mixtral ep2 tp2 replicated experts, batch attention": (
         MIXTRAL, {"ep": 2, "tp": 2},
         _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep", **BATCH_ATTN)),

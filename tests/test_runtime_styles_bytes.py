@@ -45,7 +45,8 @@ CHECKED = ["llama megatron tp4", "llama megatron + sequence parallel tp4",
            "llama batch attention, hidden embedding, row lm_head tp4",
            "mixtral ep2 tp2 megatron", "mixtral ep4", "deepseek MLA megatron tp4",
            "mixtral dp_attn4 moe_tp4", "mixtral tp2 dp_attn2 moe_tp4", "mixtral tp2 dp_attn2 moe_ep4",
-           "mixtral tp4 moe_ep4", "mixtral dp_attn4 moe_tp2 moe_ep2", "mixtral tp4 moe_tp2 moe_ep2"]
+           "mixtral tp4 moe_ep4", "mixtral dp_attn4 moe_tp2 moe_ep2", "mixtral tp4 moe_tp2 moe_ep2",
+           "deepseek dp_attn4 moe_tp4, shared expert", "deepseek tp2 dp_attn2 moe_ep4, shared expert"]
 BATCH = 8  # sequences per dp replica (plan and forward)
 
 

@@ -6,7 +6,7 @@ cost model charges (:func:`shardc.cost.moe_dispatch.gather_exchange`). Covered: 
 (``moe_tp = tp x ep``), all-EP (``moe_ep = tp x ep``) and mixed (both > 1, on the experts
 mesh ``(moe_ep, moe_tp)``) splits of HF stacked experts
 (``[E, out, in]``, one weight per matmul, expert dim 0), column / row experts and a
-replicated router, no shared experts beside them (else
+replicated router, shared experts beside them run on the rank's own rows (else
 :class:`~shardc.backends.style_entry.NotCovered`)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def gathered_entry(kind: str, lm, choice, deg):
     if names != ("col", "row") or CHOICE_NAMES["router"][choice("router")] != "rep":
         raise NotCovered(f"{kind}: re-split experts {'/'.join(names)} (covered: col/row "
                          "experts after a replicated router)")
-    if "shared_ffn1" in lm.ops or "ffn1" in lm.ops:
-        raise NotCovered(f"{kind}: re-split experts beside a shared expert / dense MLP")
+    if "ffn1" in lm.ops:
+        raise NotCovered(f"{kind}: re-split experts beside a dense MLP")
     mods = lm.ops["expert_ffn1"] + [m for m in lm.ops.get("expert_ffn2", [])
                                     if m not in lm.ops["expert_ffn1"]]
     first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
@@ -44,9 +44,18 @@ def gathered_entry(kind: str, lm, choice, deg):
     if parts and len(set(parts)) == 1:
         parts = (len(parts),)
     block, child = mods[0].rsplit(".", 1)
+    shared_mods = [m for op in ("shared_ffn1", "shared_ffn2") for m in lm.ops.get(op, [])]
+    routers = lm.ops.get("router", [])
+    if any(not m.startswith(block + ".") for m in shared_mods) or len(routers) != 1 \
+            or routers[0].rsplit(".", 1)[0] != block:
+        raise NotCovered(f"{kind}: re-split experts with shared experts {shared_mods} / router "
+                         f"{routers} other than children of the block {block!r}")
+    shared = sorted({m[len(block) + 1:].split(".")[0] for m in shared_mods})
     weights = f"{{{_literal(str(n1))}: (1, {parts!r}), {_literal(str(n2))}: (2, ())}}"
+    beside = (f", shared={_literal(shared)}, router={_literal(routers[0].rsplit('.', 1)[1])}"
+              if shared else "")
     style = (f"GatheredExperts(experts={_literal(child)}, weights={weights}, "
-             f"split={split!r})")
+             f"split={split!r}{beside})")
     group = deg.tp * deg.ep
     what = (f"experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep}: "
             + (f"every expert at 1/{group} of its width" if split == "tp" else
@@ -54,5 +63,7 @@ def gathered_entry(kind: str, lm, choice, deg):
                f"{deg.moe_ep} ways by expert, each at 1/{deg.moe_tp} of its width on the "
                "experts mesh (moe_ep, moe_tp)")
             + f"; all_gather of the tokens over ep={deg.ep}, reduce_scatter over ep"
-            + (f", all_reduce over tp={deg.tp}" if deg.tp > 1 else "") + " after the block")
+            + (f", all_reduce over tp={deg.tp}" if deg.tp > 1 else "") + " after the block"
+            + (f"; shared experts {', '.join(shared)} on this rank's own rows" if shared
+               else ""))
     return Entry(block, style, what)

@@ -93,10 +93,15 @@ class GatheredExperts(ParallelStyle):
     block on the ep x tp mesh (module docstring). ``experts``: the experts child's name;
     ``weights``: each stacked weight's name -> (the dim the ``"tp"`` split cuts, the widths
     of the parts it packs along it, or a count); ``split``: ``"tp"``, ``"ep"`` or an int
-    moe_tp (module docstring); the expert dim is 0."""
+    moe_tp (module docstring); the expert dim is 0. ``shared``: the block's shared-expert
+    children (DeepSeek's ``shared_experts``, Qwen2-MoE's ``shared_expert``), run on this
+    rank's own rows beside the gathered routed experts (:meth:`_with_shared`); ``router``:
+    the block's router child."""
 
-    def __init__(self, *, experts: str = "experts", weights=None, split="tp"):
+    def __init__(self, *, experts: str = "experts", weights=None, split="tp",
+                 shared=(), router: str = "gate"):
         super().__init__()
+        self.shared, self.router = tuple(shared), router
         if split not in SPLITS and (isinstance(split, bool) or not isinstance(split, int)
                                     or split < 1):
             raise ValueError(f"split {split!r} is not one of {SPLITS} or an int moe_tp")
@@ -169,8 +174,88 @@ class GatheredExperts(ParallelStyle):
                 dist.all_reduce(y, group=tp_group)
             return (y, *out[1:]) if isinstance(out, tuple) else y
 
-        module.forward = forward
+        module.forward = forward if not self.shared else self._with_shared(
+            module, forward, ep_group)
         return module
+
+    def _with_shared(self, module: nn.Module, routed, ep_group):
+        """The block's forward with shared experts beside the re-split ones: the routed pass
+        (``routed``: gathered tokens, collectives) runs with the shared children swapped for
+        zeros and records the router's outputs; then the model's own block forward runs on
+        this rank's rows with the routed experts swapped for zeros and the router for this
+        rank's slice of what it picked -- the shared experts (their own tp styles, gates
+        such as Qwen2-MoE's sigmoid) on the attention rows, nothing run twice."""
+        names, router = tuple(self.shared), self.router
+        children = module._modules
+
+        def forward(hidden_states, *args, **kwargs):
+            real = {n: children[n] for n in (*names, router, self.experts)}
+            picked = []
+            try:
+                for n in names:
+                    children[n] = _Zeros(real[n])
+                children[router] = _Recorded(real[router], picked)
+                out = routed(hidden_states, *args, **kwargs)
+                ways = dist.get_world_size(ep_group) if ep_group is not None else 1
+                rank = dist.get_rank(ep_group) if ep_group is not None else 0
+                for n in names:
+                    children[n] = real[n]
+                children[router] = _Replayed(picked[0], rank, hidden_states[..., 0].numel(),
+                                             ways)
+                children[self.experts] = _Zeros(None)
+                shared = module.__class__.forward(module, hidden_states, *args, **kwargs)
+            finally:
+                children.update(real)
+            y = out[0] if isinstance(out, tuple) else out
+            s = shared[0] if isinstance(shared, tuple) else shared
+            return (y + s, *out[1:]) if isinstance(out, tuple) else y + s
+
+        return forward
+
+
+class _Zeros(nn.Module):
+    """Stands in for a block child whose output must add nothing: zeros shaped like its
+    first input, ``out_features`` wide when the child is a linear (a shared expert's gate)."""
+
+    def __init__(self, child):
+        super().__init__()
+        self.width = getattr(child, "out_features", None)
+
+    def forward(self, x, *args, **kwargs):
+        if self.width is None:
+            return torch.zeros_like(x)
+        return x.new_zeros((*x.shape[:-1], self.width))
+
+
+class _Recorded(nn.Module):
+    """The router as is, its outputs kept (``into``) for :class:`_Replayed`."""
+
+    def __init__(self, router, into: list):
+        super().__init__()
+        self.router, self.into = router, into
+
+    def forward(self, *args, **kwargs):
+        out = self.router(*args, **kwargs)
+        self.into.append(out)
+        return out
+
+
+class _Replayed(nn.Module):
+    """The router's outputs over the gathered tokens (``ways`` ep ranks' ``tokens`` each,
+    ep-rank-major), cut to this rank's (every output whose first dim holds them all)."""
+
+    def __init__(self, outputs, rank: int, tokens: int, ways: int):
+        super().__init__()
+        self.outputs, self.rank, self.tokens, self.ways = outputs, rank, tokens, ways
+
+    def forward(self, *args, **kwargs):
+        def cut(t):
+            if not torch.is_tensor(t) or t.dim() == 0 or t.shape[0] != self.tokens * self.ways:
+                return t
+            return t[self.rank * self.tokens:(self.rank + 1) * self.tokens]
+        if isinstance(self.outputs, tuple):
+            return tuple(cut(t) for t in self.outputs)
+        return cut(self.outputs)
 
 
 class GatheredExpertsLocal:
