@@ -344,3 +344,79 @@ def test_verify_runs_a_mixed_split_scaled_down(tmp_path, capsys):
                  "--world", "4"]) == 0
     text = capsys.readouterr().out
     assert "tp 8->4" in text and "moe_ep 4->2" in text and "verify OK" in text
+
+
+# ------------------------------------------------------------------ the router of a re-split
+def test_resplit_router_is_priced_on_the_gathered_tokens():
+    """After the all-gather every rank routes the replica's tokens (T x dp_attn), not its
+    attention group's T: the router of ``tp1 dp8 etp8`` at 64 sequences costs what the
+    replicated router of tp=8 costs on the same 64 tokens, 8x the FLOPs of the default
+    split's (each rank routing its own 8)."""
+    def router(deg):
+        _, ex = _breakdown(deg)
+        return next(r for r in ex.ops if r["op"] == "router")
+
+    gathered, same_tokens = router(Degrees(ep=8, moe_tp=8)), router(Degrees(tp=8))
+    assert gathered["compute_ms"] == pytest.approx(same_tokens["compute_ms"])
+    assert gathered["time_ms"] == pytest.approx(same_tokens["time_ms"])
+    assert router(Degrees(tp=8, moe_tp=2, moe_ep=4))["compute_ms"] == \
+        pytest.approx(same_tokens["compute_ms"])  # tp8: every rank holds the 64 tokens already
+    assert gathered["compute_ms"] > 2 * router(Degrees(ep=8))["compute_ms"]
+
+
+def test_resplit_router_runs_on_the_gathered_tokens():
+    """What runs (parallelize.py's GatheredExperts on 4 fake ranks, tiny Mixtral at dp_attn=4,
+    moe_tp=4): the router's matmul FLOPs are those of the 4 attention groups' tokens, ``2 x
+    hidden x E`` per token -- the tokens the cost model prices it on."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardc.backends.verify import _build, _load_code
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import strategy_from_names
+    from shardc.plan import build_plan
+
+    model_file = "examples/tiny_mixtral.py"
+    rows, seq = 2, 4  # per attention group
+    from test_backend_gloo import MOE  # Megatron's choices: col / row experts, rep router
+
+    strategy = strategy_from_names({"ep": 4, "moe_tp": 4}, MOE, rows * 4)
+    plan = build_plan(load_graph(model_file, tiny=True), strategy, Mesh(4, 1), "h100",
+                      Workload(batch=rows * 4, context=64))
+    code = _load_code(None, plan.code(standalone=True))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model, ids = _build(model_file, rows, seq)
+        model = code.parallelize(model)
+        cfg = model.config
+        block = model.model.layers[0].mlp
+        x = torch.randn(rows, seq, cfg.hidden_size)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            block(x)
+        got = counter.get_flop_counts()
+    finally:
+        dist.destroy_process_group()
+    router_flops = sum(sum(v.values()) for k, v in got.items() if k.endswith(".gate"))
+    assert router_flops == 2 * cfg.hidden_size * cfg.num_local_experts * rows * seq * 4
+
+
+# ------------------------------------------------------------------ dp_attn and the expert count
+def test_dp_attn_need_not_divide_the_experts_beside_expert_tp(tmp_path, capsys):
+    """vLLM / SGLang attention data parallel with the experts tensor-parallel over the same
+    ranks (``--data-parallel-size 16`` on Mixtral's 8 experts) needs only the split's moe_ep
+    to divide the experts: ``dp_attn=16, moe_tp=16`` (moe_ep 1) and ``dp_attn=16, moe_tp=2``
+    (moe_ep 8) are priced; the default split at dp_attn=16 (16 expert groups of 8 experts)
+    stays refused, and the searched space (no split fixed) keeps ep | experts."""
+    mesh = ["--mesh", "8x2", "--batch", "512"]
+    for degrees in ("dp_attn=16,moe_tp=16", "dp_attn=16,moe_tp=2"):
+        p = _simulate_json(tmp_path, [MIXTRAL, *mesh, "--degrees", degrees])
+        assert p["tok_s_per_gpu"] > 0, degrees
+    capsys.readouterr()
+    assert main(["simulate", MIXTRAL, *mesh, "--degrees", "dp_attn=16"]) == 2
+    assert "ep=16" in capsys.readouterr().err
+    g = fixture_graph("mixtral_8x7b")
+    wl = Workload(batch=64, context=2048)
+    assert StrategySpace(g, Mesh(8, 2), wl).values["ep"] == [1, 2, 4, 8]
+    assert 16 in StrategySpace(g, Mesh(8, 2), wl, fixed={"ep": 16, "moe_tp": 16}).values["ep"]

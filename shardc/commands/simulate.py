@@ -173,7 +173,8 @@ def run(args) -> int:
 
     kernel_options = {"kernels": args.kernels, "engine": kernel_engine(args)}
     # the experts' split (moe_tp x moe_ep) when it is not (tp, ep)
-    split = {"moe_tp": deg.moe_tp, "moe_ep": deg.moe_ep} if deg.experts_resplit else {}
+    split = ({"moe_tp": deg.moe_tp, "moe_ep": deg.moe_ep, "ep": deg.ep}
+             if deg.experts_resplit else {})
     if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
         from shardc.cost.serving import pool_cost_model, pool_workload
         from shardc.serving import check_serve_positions

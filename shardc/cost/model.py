@@ -63,6 +63,7 @@ from shardc.cost.hardware_presets import Hardware, load_hardware
 from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
 from shardc.cost.moe_dispatch import (
     LAYOUT_RULES,
+    gathered_batch,
     megatron_combo,
     merge_resplit,
     resplit_batch,
@@ -245,6 +246,7 @@ class CostModel:
                   moe_layouts=self.moe_layouts, kernels=self.kernels,
                   redundant_experts=int(wl.redundant_experts), fp8_scaling=wl.fp8_scaling)
         bx, resplit = self._resplit(b, deg, tokens * epf)
+        b_routed = gathered_batch(b) if bx is not None else None  # what a re-split routes
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
@@ -269,6 +271,10 @@ class CostModel:
                                        resplit)
                     nonlocal choices_ok
                     choices_ok &= ~resplit | (combo == megatron_combo(table.ops))
+                if bx is not None and bname == "router":  # every rank routes the gathered rows
+                    bc = merge_resplit(bc, branch_cost(bname, fops, table, combo, b_routed,
+                                                       in_width), resplit)
+                    choices_ok &= ~resplit | (combo == megatron_combo(table.ops))  # replicated
                 modes = table.modes[combo, residual]
                 res.append((bname, fops, table, combo, bc))
                 nonlocal split_ok
@@ -444,7 +450,8 @@ class CostModel:
     def space_for(self, strategy: Strategy) -> StrategySpace:
         """A strategy space whose batch candidates are exactly ``strategy.batch``."""
         d = strategy.degrees
-        fixed = {"moe_tp": d.moe_tp, "moe_ep": d.moe_ep} if d.experts_resplit else {}
+        fixed = ({"moe_tp": d.moe_tp, "moe_ep": d.moe_ep, "ep": d.ep} if d.experts_resplit
+                 else {})  # a split's dp_attn need not divide the experts
         return StrategySpace(self.graph, self.mesh, replace(self.workload, batch=strategy.batch),
                              fixed=fixed)
 

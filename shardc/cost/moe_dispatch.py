@@ -294,6 +294,16 @@ def gather_exchange(ops: tuple[str, ...], b, detail: bool = False):
     return ag + rs + ar, rows
 
 
+def gathered_batch(b):
+    """The attention Batch ``b`` with every ep rank's tokens (``tokens x ep`` per rank): what
+    the router of a re-split runs on -- after the all-gather every rank routes the replica's
+    tokens (replicated router), as the engines and :mod:`shardc.runtime.gathered_experts`
+    do, not its attention group's."""
+    from dataclasses import replace
+
+    return replace(b, tokens=b.tokens * b.ep)
+
+
 def resplit_batch(b, moe_tp, moe_ep, imbalance, gpus_per_node: int):
     """The experts' Batch of strategies whose experts are split ``moe_tp`` x ``moe_ep``
     (arrays [B]) over the tp x ep ranks of the attention Batch ``b``: tp := moe_tp, ep :=

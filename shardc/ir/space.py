@@ -108,6 +108,11 @@ class StrategySpace:
         tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0
               and (self.tp_domain is None or self.tp_domain % d == 0)]
         ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
+        if experts and "ep" in self.fixed and ("moe_tp" in self.fixed or "moe_ep" in self.fixed):
+            # dp_attn fixed beside a fixed experts split: the split's moe_ep must divide the
+            # experts (:meth:`experts_split`), not dp_attn (vLLM / SGLang attention data
+            # parallel with expert TP: --data-parallel-size 16 on Mixtral's 8 experts)
+            ep = list(divisors(world))
         pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
         # sequence parallel (residual token-split between tp regions) in both phases; in
         # decode the tokens are the batch's sequences (one new token each)
@@ -138,6 +143,8 @@ class StrategySpace:
         f, world, layers = self.fixed, self.mesh.gpus, max(self.graph.num_layers, 1)
         why = {"tp": f"tp must divide the GPU count {world} and hidden {hidden} (at most {MAX_TP})",
                "ep": (f"ep must divide the GPU count {world} and the {experts} experts"
+                      + (" (with the experts split fixed: the GPU count)"
+                         if "moe_tp" in f or "moe_ep" in f else "")
                       if experts else "the model has no experts, so ep = dp_attn must be 1; "
                       "for data parallelism of a dense model use dp=N"),
                "pp": f"pp must divide the GPU count {world} and be at most {min(MAX_PP, layers)}"}
