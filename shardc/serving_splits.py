@@ -33,10 +33,13 @@ def best_over_splits(search_one, fixed: dict | None, splits):
     ``moe_tp`` of ``splits()`` (called after the default's search, so its errors come
     first); the best by ``choice.tok_s_per_gpu``. A re-split that is infeasible or bad input
     is skipped; the default's InfeasibleError is raised only when no re-split fits either
-    (an engine may have flags for a re-split only)."""
-    best, infeasible = None, None
+    (an engine may have flags for a re-split only). The baselines reported (Megatron,
+    best practice) are each the best over the same splits, as the plan's (each split's
+    search ran them at the same budget; a tie keeps the default split's)."""
+    best, infeasible, outcomes = None, None, []
     try:
         best = search_one(fixed)
+        outcomes.append(best)
     except InfeasibleError as e:
         infeasible = e
     for moe_tp in splits():
@@ -44,12 +47,14 @@ def best_over_splits(search_one, fixed: dict | None, splits):
             out = search_one({**(fixed or {}), "moe_tp": int(moe_tp)})
         except (InfeasibleError, InputError):
             continue
+        outcomes.append(out)
         if best is None or out.choice.tok_s_per_gpu > best.choice.tok_s_per_gpu:
-            if best is not None:  # the reported baselines stay the first search's
-                out.megatron, out.best_practice = best.megatron, best.best_practice
             best = out
     if best is None:
         raise infeasible
+    for name in ("megatron", "best_practice"):
+        got = [getattr(o, name) for o in outcomes if getattr(o, name) is not None]
+        setattr(best, name, max(got, key=lambda c: c.tok_s_per_gpu) if got else None)
     return best
 
 
