@@ -57,25 +57,32 @@ def _canonical_when_tp1(space, objective, action, value):
     return action
 
 
-def best_practice_over_splits(space, cost_model, default: SearchResult, budget: int,
-                              seed: int) -> SearchResult:
-    """The best-practice baseline over the experts splits: ``default`` (its sweep at the
-    default split) and its sweep in every re-split copy of ``space`` some engine runs
-    (:func:`shardc.ir.engines.searched_splits` with ``"any"``: attention data parallel with
-    the experts TP or EP over every rank, as the engines deploy it), the best kept (ties:
-    ``default``); a re-split winner's ``space`` is the copy its action decodes in."""
+def baseline_over_splits(name: str, space, cost_model, default: SearchResult, budget: int,
+                         seed: int) -> SearchResult:
+    """Baseline ``name`` (``megatron``, ``best_practice``) over the experts splits:
+    ``default`` (its sweep at the default split) and its sweep in every re-split copy of
+    ``space`` some engine runs (:func:`shardc.ir.engines.searched_splits` with ``"any"``:
+    attention data parallel with the experts TP or EP over every rank, as the engines
+    deploy it), the best kept (ties: ``default``); a re-split winner's ``space`` is the copy
+    its action decodes in."""
     from shardc.ir.engines import split_spaces
 
     best, evals = default, int(default.evaluations)
     for sp in split_spaces(space, "any")[1:]:
-        r = run_search("best_practice", sp, cost_model_objective(cost_model, sp),
-                       budget=budget, seed=seed)
+        r = run_search(name, sp, cost_model_objective(cost_model, sp), budget=budget,
+                       seed=seed)
         evals += int(r.evaluations)
         if r.best_action is not None and np.isfinite(r.best_value) and (
                 best.best_action is None or r.best_value > best.best_value):
             r.space, best = sp, r
     best.evaluations = evals
     return best
+
+
+def best_practice_over_splits(space, cost_model, default: SearchResult, budget: int,
+                              seed: int) -> SearchResult:
+    """:func:`baseline_over_splits` of the best-practice baseline."""
+    return baseline_over_splits("best_practice", space, cost_model, default, budget, seed)
 
 
 def _dtensor_resplits(policy, space, cost_model, result: SearchResult, budget: int,
@@ -115,11 +122,12 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     objective = cost_model_objective(cost_model, space)  # lets `exact` decompose per branch
     baselines = {name: run_search(name, space, objective, budget=budget, seed=seed)
                  for name in ("megatron", "best_practice")}
-    # the plan is never worse than a baseline the plan's runtime runs (best_practice below
+    # the plan is never worse than a baseline the plan's runtime runs (the baselines below
     # may pick an experts re-split only the engines run)
     runnable = dict(baselines)
-    baselines["best_practice"] = best_practice_over_splits(
-        space, cost_model, baselines["best_practice"], budget=budget, seed=seed)
+    for name in baselines:  # reported over the splits, as the engines deploy them
+        baselines[name] = baseline_over_splits(name, space, cost_model, baselines[name],
+                                               budget=budget, seed=seed)
     engine_result = None
     if runtime != "dtensor":
         engine_result = search_engine(policy, space, runtime, budget=budget, seed=seed,

@@ -13,7 +13,7 @@ import pytest
 
 import shardc.ir.engines as engines
 from shardc.cost import CostModel, load_hardware
-from shardc.driver import best_practice_over_splits, search_pass
+from shardc.driver import best_practice_over_splits, cost_model_objective, search_pass
 from shardc.frontends import load_graph
 from shardc.ir.engines import experts_split_ok, has_dense_mlp, searched_splits, split_spaces
 from shardc.ir.space import StrategySpace, nvlink_tp_domain
@@ -247,3 +247,22 @@ def test_serve_baselines_are_the_best_over_the_swept_splits():
         assert getattr(out, name).tok_s_per_gpu == pytest.approx(want), name
         assert want > getattr(default, name).tok_s_per_gpu  # a re-split's baseline won
     assert out.choice.tok_s_per_gpu >= out.best_practice.tok_s_per_gpu
+
+
+def test_megatron_baseline_sweeps_the_splits_like_best_practice():
+    """The single-phase Megatron baseline runs its rule at the default split and in every
+    re-split copy some engine runs (as the best-practice baseline does), and reports the
+    best: Mixtral-8x7B 8x1 prefill, where Megatron's rule does better with the experts split
+    moe_tp=2 x moe_ep=4 over tp=2 x dp_attn=4 than at any default split. The plan is still
+    compared only with the baselines its runtime runs (the default split's)."""
+    g, m = load_graph(MIXTRAL), Mesh.parse("8x1")
+    w = Workload(phase="prefill", context=4096)
+    out = search_pass(g, m, "h100", w, policy="megatron", budget=4000)
+    cm = out.cost_model
+    space = StrategySpace(g, m, w, tp_domain=nvlink_tp_domain(m, cm.hw.nvlink_domain, False))
+    values = [run_search("megatron", sp, cost_model_objective(cm, sp), budget=4000,
+                         seed=0).best_value for sp in split_spaces(space, "any")]
+    assert out.megatron.best_value == pytest.approx(max(values))
+    assert max(values[1:]) > values[0]  # a re-split won
+    assert out.megatron.space.decode(out.megatron.best_action).degrees.experts_resplit
+    assert out.result.best_value == pytest.approx(values[0])  # the plan: the default's
