@@ -316,6 +316,10 @@ def test_compile_places_a_mixed_split_on_the_experts_mesh(tmp_path):
         assert r["local_shape"][cut] * 2 == r["shape"][cut]
         assert r["local_shape"][r["expert_dim"]] * 2 == r["shape"][r["expert_dim"]]
     assert all("mesh_dims" not in r for r in plan["params"] if r.get("expert_dim") is None)
+    # SGLang spells tp4 etp2 ep2 but no engine search sweeps a mixed split yet: said so
+    assert plan["launch"]["sglang"]["pools"] == []
+    assert "does not take a mixed experts split" in plan["launch"]["sglang"]["reason"]
+    assert "does not take" not in (plan["launch"]["vllm"]["reason"] or "")  # vLLM: no flag
 
 
 def test_verify_runs_a_resplit_plan_scaled_down(tmp_path, capsys):
