@@ -1,7 +1,9 @@
-"""DeepSeek MLA after a ``row`` qkv, or a ``col`` qkv before a batch-split or replicated
-core, on local shards (torch only).
+"""DeepSeek MLA on local shards (torch only): :class:`LatentAttention` (absorbed, the
+latent cache: a ``col`` qkv before a heads split, a ``rep`` one) and
+:class:`PerHeadLatentAttention` (after a ``row`` qkv, or a ``col`` qkv before a batch-split or
+replicated core).
 
-``row`` splits the up projections' low-rank input (``q_b_proj`` over ``q_lora_rank``, or
+Per head: ``row`` splits the up projections' low-rank input (``q_b_proj`` over ``q_lora_rank``, or
 ``q_proj`` over the hidden size without a q low-rank projection; ``kv_b_proj`` over
 ``kv_lora_rank``): each tp rank multiplies its slice of the replicated latents by its
 weight slice, giving partial sums of every head's ``q`` and ``k_nope | v``; ``col`` splits
@@ -18,6 +20,7 @@ attention's (``value_dim = v_head_dim``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from shardc.runtime.kv_cache import KVCache, positions, visible
 from shardc.runtime.local_ops import (
@@ -99,3 +102,81 @@ class PerHeadLatentAttention:
         o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, c_out, tp)
         return repair(o, prod, self.walk["end"], tp)
 
+
+class LatentAttention:
+    """DeepSeek MLA of one layer on local shards, absorbed: ``q_nope`` is mapped into the
+    latent space through ``kv_b_proj``'s key half, attention reads the cached latent and
+    shared rope key, and the latent output goes through the value half. ``qkv`` ``col``
+    splits ``q_b_proj`` / ``kv_b_proj`` by heads (the latent stays whole), ``rep`` keeps
+    them whole (a ``batch`` core then runs this tp rank's rows)."""
+
+    def __init__(self, attn, walk: dict, tp: Group, cfg, i: int, window):
+        (_, self.c_qkv, _, _), (_, core, self.core_need, _), (_, self.c_out, _, _) = \
+            walk["steps"]
+        pairs = {("col", "heads"), ("rep", "heads"), ("rep", "batch"), ("rep", "rep")}
+        if (self.c_qkv, core) not in pairs:
+            raise NotImplementedError(f"MLA qkv {self.c_qkv} with attention core {core}")
+        self.x_need = walk["steps"][0][2]  # where the down projections read their input
+        if self.x_need != "R" and core == "heads":  # rows to heads: the latents all-gathered
+            raise NotImplementedError("MLA qkv rep before a heads split under sequence "
+                                      "parallelism")
+        self.walk, self.tp, self.i, self.attn = walk, tp, i, attn
+        self.nope, self.rope_d = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
+        self.vd, self.lora = int(cfg.v_head_dim), int(cfg.kv_lora_rank)
+        wkv = local_tensor(attn.kv_b_proj.weight)
+        self.heads = wkv.shape[0] // (self.nope + self.vd)
+        wkv = wkv.view(self.heads, self.nope + self.vd, self.lora)
+        if self.c_qkv == "rep" and core == "heads" and tp:  # whole weights: this rank's heads
+            self.heads //= tp.size
+            wkv = wkv[tp.rank * self.heads:(tp.rank + 1) * self.heads]
+        self.w_uk, self.w_uv = wkv[:, :self.nope], wkv[:, self.nope:]
+        self.q_lora = getattr(attn, "q_lora_rank", None)
+        self.wq = local_tensor((attn.q_b_proj if self.q_lora else attn.q_proj).weight)
+        self.wo, self.bo = local_tensor(attn.o_proj.weight), attn.o_proj.bias
+        self.bo = None if self.bo is None else local_tensor(self.bo)
+        self.scale = float(attn.scaling)
+        # adjacent pairs rotate (DeepSeek-V3's rope_interleave; V2's complex tables: new_cache)
+        self.interleave = bool(getattr(cfg, "rope_interleave", False))
+        self.window = window
+
+    def alloc(self, cache: KVCache, rows: int) -> None:
+        cache.add_latent(self.i, held_rows(rows, self.core_need, self.tp), self.lora, self.rope_d,
+                         window=self.window)
+
+    def __call__(self, x, residual, cache: KVCache, steps, upto, rope_tables, prefill):
+        a, tp = self.attn, self.tp
+        x = repair(x, residual, self.walk["steps"][0][2], tp)
+        qin = a.q_a_layernorm(a.q_a_proj(x)) if self.q_lora else x
+        q = F.linear(qin, self.wq)
+        ckv = a.kv_a_proj_with_mqa(x)
+        lat, k_rot = ckv.split([self.lora, self.rope_d], -1)
+        lat = a.kv_a_layernorm(lat)
+        # q to the core's placement (R -> S(0) rows or S(1) heads: a local slice); the
+        # replicated latents to the core's rows
+        q = repair(q, self.walk["steps"][0][3], self.core_need, tp)
+        if self.core_need == "S(0)" and self.x_need == "R":
+            rows = held_rows(x.shape[0], "S(0)", tp)
+            lat, k_rot = lat[rows], k_rot[rows]
+        r, s = q.shape[0], q.shape[1]
+        q = q.view(r, s, self.heads, self.nope + self.rope_d).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope_d], -1)
+        layer = cache.layers[self.i]
+        start = cache.start[layer.rows]
+        cos, sin = rope_tables(positions(steps, start))
+        q_rot = rope(q_rot, cos, sin, self.interleave)
+        k_rot = rope(k_rot[:, None], cos, sin, self.interleave)[:, 0]
+        layer.write(steps, lat, k_rot)
+        if prefill:
+            keys, krs, kst = lat, k_rot, steps
+        else:
+            keys, krs, kst = layer.view(upto)
+        q_lat = torch.einsum("rhsd,hdl->rhsl", q_nope, self.w_uk)
+        scores = (q_lat @ keys[:, None].transpose(-1, -2).to(q.dtype)
+                  + q_rot @ krs[:, None].transpose(-1, -2).to(q.dtype)) * self.scale
+        mask = visible(kst, steps, start, self.window)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        o_lat = probs.to(q.dtype) @ keys[:, None].to(q.dtype)
+        o = torch.einsum("rhsl,hvl->rshv", o_lat, self.w_uv).flatten(2)
+        (_, _, need, prod) = self.walk["steps"][2]
+        o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, self.c_out, tp)
+        return repair(o, prod, self.walk["end"], tp)

@@ -256,6 +256,23 @@ class DenseMLP:
         return repair(y, prod2, self.end, self.tp)
 
 
+class PlainMLP:
+    """GPT-2's MLP (``c_fc`` = ffn1, activation, ``c_proj`` = ffn2; Conv1D weights ``[in,
+    out]``, read transposed in place) on local shards, placed as the walk says."""
+
+    def __init__(self, module, walk: dict, tp: Group):
+        self.steps, self.end, self.tp = walk["steps"], walk["end"], tp
+        self.w1, self.b1 = _local(module.c_fc.weight).t(), _local(module.c_fc.bias)
+        self.w2, self.b2 = _local(module.c_proj.weight).t(), _local(module.c_proj.bias)
+        self.act = module.act
+
+    def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
+        (_, c1, need1, prod1), (_, c2, need2, prod2) = self.steps
+        y = linear(repair(x, residual, need1, self.tp), self.w1, self.b1, c1, self.tp)
+        y = self.act(repair(y, prod1, need2, self.tp))
+        return repair(linear(y, self.w2, self.b2, c2, self.tp), prod2, self.end, self.tp)
+
+
 class GatedShared:
     """Qwen2-MoE's shared expert: a gated MLP (the walk's ``shared_experts`` branch) scaled
     per token by ``sigmoid(x @ shared_expert_gate.T)`` (a ``[1, hidden]`` weight, whole)."""
