@@ -263,32 +263,3 @@ def test_decode_step_collectives_are_the_cost_models(cases, name):
         got.remove(extra)
     assert got, name
     assert_records_match(got, charged(graph, strategy), name)
-
-
-def test_gpt_moe_is_refused_with_a_reason():
-    """GPT-MoE (shardc's own plain-PyTorch model) is no HF layout the fast runtime runs:
-    building it is a NotImplementedError naming why (bench: exit 2), not an AttributeError."""
-    import importlib.util
-
-    import torch.distributed as dist
-    from test_backend_gloo import GPT_MOE
-    from test_fast_runtime import plan_payload
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from shardc.backends.verify import _build
-
-    p = plan_payload(GPT_MOE, EP_TP, MOE)
-    spec = importlib.util.spec_from_loader("fast_gpt_moe_refusal", loader=None)
-    code = importlib.util.module_from_spec(spec)
-    exec(compile(p["code"], "<gpt-moe parallelize.py>", "exec"), code.__dict__)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", tuple(code.MESH_SHAPE),
-                                mesh_dim_names=tuple(code.MESH_DIM_NAMES))
-        model, ids = _build(GPT_MOE, 4, 6)
-        model = code.parallelize(model, world_mesh=mesh)
-        with pytest.raises(NotImplementedError, match="not an HF causal LM layout"):
-            code.generate(model, ids, 2)
-    finally:
-        dist.destroy_process_group()

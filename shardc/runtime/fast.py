@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from shardc.runtime.apply import batch_mesh, decoder_layers
 from shardc.runtime.gathered_experts import GatheredExpertsLocal
+from shardc.runtime.gpt_moe_local import is_gpt_moe, rotary_tables
 from shardc.runtime.kv_cache import KVCache, positions, visible
 from shardc.runtime.local_ops import (
     Group,
@@ -103,7 +104,7 @@ class Attention:
             raise NotImplementedError(f"attention core {core}")
         self.walk, self.tp, self.i = walk, tp, i
         self.d = int(attn.head_dim)
-        self.hq = int(cfg.num_attention_heads)
+        self.hq = int(getattr(cfg, "num_attention_heads", None) or cfg.num_heads)  # GPT-MoE's
         self.hkv = int(getattr(cfg, "num_key_value_heads", None) or self.hq)
         self.split = core == "heads" and tp.size > 1
         n = tp.size if self.split else 1
@@ -118,6 +119,9 @@ class Attention:
                 raise NotImplementedError("GPT-2's reorder_and_upcast_attn")
             self.wqkv, self.bqkv = [_local(attn.c_attn.weight).t()], [_local(attn.c_attn.bias)]
             self.wo, self.bo = _local(attn.c_proj.weight).t(), attn.c_proj.bias
+        elif hasattr(attn, "qkv"):  # GPT-MoE: one packed q|k|v linear, ``out``
+            self.wqkv, self.bqkv = [_local(attn.qkv.weight)], [_local(attn.qkv.bias)]
+            self.wo, self.bo = _local(attn.out.weight), attn.out.bias
         else:
             projs = (attn.q_proj, attn.k_proj, attn.v_proj)
             self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
@@ -128,7 +132,7 @@ class Attention:
         self.k_norm = getattr(attn, "k_norm", None)
         # OLMoE: q / k norms over the whole projection (else per head)
         self.whole_norms = self.q_norm is not None and self.q_norm.weight.shape[0] != self.d
-        self.scale = float(attn.scaling)
+        self.scale = float(getattr(attn, "scaling", None) or self.d ** -0.5)
         self.window = _window(cfg, attn, i)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.interleave = _rope_interleaved(attn, self.d)
@@ -183,13 +187,16 @@ class Layer:
         if hasattr(layer, "ln_1"):  # GPT-2's block: ln_1, attn, ln_2, mlp
             attn, self.ln1, self.ln2 = layer.attn, layer.ln_1, layer.ln_2
             names = {"attn", "ln_1", "ln_2", "mlp"}
+        elif hasattr(layer, "ln_attn"):  # GPT-MoE's block: ln_attn, attn, ln_moe, moe
+            attn, self.ln1, self.ln2 = layer.attn, layer.ln_attn, layer.ln_moe
+            names = {"attn", "ln_attn", "ln_moe", "moe"}
         else:
             attn, self.ln1, self.ln2 = (layer.self_attn, layer.input_layernorm,
                                         layer.post_attention_layernorm)
             names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm",
                      "block_sparse_moe"}
-        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "kv_a_proj_with_mqa")):
+        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "qkv", "kv_a_proj_with_mqa")):
             raise NotImplementedError(f"attention module {type(attn).__name__}")
         walk = kind_walk["attention"]
         per_head = walk["steps"][0][1] == "row" or (walk["steps"][0][1] == "col"
@@ -209,7 +216,8 @@ class Layer:
         extra = {n for n, _ in layer.named_children()} - names
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
-        mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Granite-MoE's
+        mlp = next(getattr(layer, a) for a in ("mlp", "moe", "block_sparse_moe")  # GPT-MoE's,
+                   if hasattr(layer, a))  # Granite-MoE's
         experts = GatheredExpertsLocal if "gather" in kind_walk.get("experts", {}) \
             else ExpertsLocal  # the experts split their own way: the all-gather dispatch
         self.experts = experts(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
@@ -251,9 +259,10 @@ class FastModel:
     def __init__(self, model, world_mesh, walks: dict, layer_kinds: dict):
         if hasattr(model, "stage") and hasattr(model.stage, "model"):
             model = model.stage.model
-        if not (hasattr(model, "model") or hasattr(model, "transformer")):  # e.g. GPT-MoE
+        plain = is_gpt_moe(model)  # GPT-MoE: embed, layers, ln_f, lm_head on the model
+        if not (hasattr(model, "model") or hasattr(model, "transformer") or plain):
             raise NotImplementedError(f"{type(model).__name__}: not an HF causal LM layout "
-                                      "(model.model, or GPT-2's transformer)")
+                                      "(model.model, GPT-2's transformer) nor GPT-MoE's")
         self.cfg = cfg = _lm_config(model)
         names = tuple(world_mesh.mesh_dim_names or ())
         self.tp = Group(world_mesh["tp"] if "tp" in names else None)
@@ -266,14 +275,16 @@ class FastModel:
         self.residual = walks.get("residual", "R")
         self.walks = walks
         gpt2 = hasattr(model, "transformer")  # GPT-2: transformer.{wte, wpe, h, ln_f}
-        inner = model.transformer if gpt2 else model.model
+        inner = model.transformer if gpt2 else model if plain else model.model
         kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
-        layers = decoder_layers(model, "transformer.h" if gpt2 else "model.layers")
+        layers = decoder_layers(model, "transformer.h" if gpt2 else "layers" if plain
+                                else "model.layers")
         self.layers = {i: Layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
                        for i in range(len(layers)) if any(True for _ in layers[i].parameters())}
-        embed = inner.wte if gpt2 else inner.embed_tokens
-        self.first = embed is not None
-        self.last = getattr(model, "lm_head", None) is not None
+        embed = inner.wte if gpt2 else inner.embed if plain else inner.embed_tokens
+        # a pipeline stage's dropped embedding / lm_head: None (HF) or a pass-through
+        self.first = hasattr(embed, "weight")
+        self.last = hasattr(getattr(model, "lm_head", None), "weight")
         if self.first:
             self.embed = _local(embed.weight)
             # GPT-2's learned positions (replicated), added after the embedding's repair
@@ -285,12 +296,14 @@ class FastModel:
             # Granite's embedding multiplier (a Python float, as HF multiplies by it)
             self.embed_mult = float(getattr(inner, "embedding_multiplier", 1.0) or 1.0)
         if self.last:
-            self.norm = inner.ln_f if gpt2 else inner.norm
+            self.norm = inner.ln_f if gpt2 or plain else inner.norm
             self.head = _local(model.lm_head.weight)
             self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
             self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)  # Granite
         self.rotary = getattr(inner, "rotary_emb", None)
+        # GPT-MoE: rotate-half tables from rope_theta (its attention computes them per call)
+        self.theta = (float(cfg.rope_theta), int(cfg.head_dim)) if plain else None
         if self.rotary is not None and hasattr(self.rotary, "layer_types"):
             raise NotImplementedError("rotary tables per layer type (Gemma-3)")
         self.hidden = int(cfg.hidden_size)
@@ -318,6 +331,8 @@ class FastModel:
         cache = KVCache(rows, context, self.device, self.dtype)
         for layer in self.layers.values():
             layer.attn.alloc(cache, rows)
+        if self.theta is not None:
+            self._tables = rotary_tables(*self.theta, context, self.device, self.dtype)
         if self.rotary is not None:
             tables = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
                                  torch.arange(context, device=self.device)[None])
@@ -383,7 +398,7 @@ class FastModel:
             h = torch.empty(rows.stop - rows.start, steps.shape[0], self.hidden,
                             dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.prev, group=self.pp.pg)
-        tables = self.rope_tables if self.rotary is not None else None
+        tables = self.rope_tables if self._tables is not None else None
         for layer in self.layers.values():
             h = layer(h, self.residual, cache, steps, upto, tables, prefill)
         if not self.last:

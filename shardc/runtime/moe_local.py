@@ -37,6 +37,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from shardc.runtime.gpt_moe_local import (
+    check_activation,
+    expert_weights,
+    is_plain_router,
+    top_k_routing,
+)
 from shardc.runtime.local_ops import Group, linear, linear_parts, repair
 
 
@@ -83,14 +89,19 @@ class RouterLocal:
     """An HF router module on this rank: ``rep`` -- the module; ``col`` / ``row`` -- its
     class's forward (not the DTensor wrapper ``RouterParallel`` installed) with the scores
     matmul on the local shard, the walk's repairs around it (see the module docstring).
+    GPT-MoE's ``nn.Linear`` router (``top_k``: its block's): the scores (local shard and
+    repairs alike), then its block's softmax top-k
+    (:func:`shardc.runtime.gpt_moe_local.top_k_routing`).
     ``__call__(x [T, h], residual) -> (logits, top_k_weights [T, k], top_k_index [T, k])``."""
 
-    def __init__(self, router, walk: dict, tp: Group):
+    def __init__(self, router, walk: dict, tp: Group, top_k: int | None = None):
         (_, self.choice, self.need, self.produced), = walk["steps"]
         self.end, self.tp, self.module = walk["end"], tp, router
         self.weight = router.weight
         self.local = _local(router.weight)
         self.residual = "R"
+        self.plain = is_plain_router(router)
+        self.top_k = top_k
 
     def scores(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The whole scores ``[T, E]`` of ``x [T, h]`` (whole) over shard ``w``."""
@@ -99,6 +110,11 @@ class RouterLocal:
         return y.wait() if hasattr(y, "wait") else y
 
     def __call__(self, x: torch.Tensor, residual: str):
+        if self.plain:
+            self.residual = residual
+            logits = F.linear(x, self.local) if self.choice == "rep" \
+                else self.scores(x, self.local)
+            return top_k_routing(logits, self.top_k)
         if self.choice == "rep":
             return self.module(x)
         self.residual = residual
@@ -136,16 +152,20 @@ class ExpertsLocal:
         (_, _, self.need1, self.prod1), (_, _, self.need2, self.prod2) = steps
         self.src = "S(0)" if self.token_rows and not self.gather_rows else "R"
         self.walk, self.tp, self.ep = walk, tp, ep
-        self.router = RouterLocal(_router_of(mlp), walk["router"], tp)
+        self.router = RouterLocal(_router_of(mlp), walk["router"], tp, getattr(mlp, "top_k", None))
         experts = mlp.experts
-        self.gate_up, self.down = _local(experts.gate_up_proj), _local(experts.down_proj)
-        self.act = experts.act_fn
+        if hasattr(experts, "w_in"):  # GPT-MoE: [E, in, out] weights, a GeLU between them
+            check_activation(experts)
+            self.gate_up, self.down, self.act, self.gated = expert_weights(experts)
+        else:
+            self.gate_up, self.down = _local(experts.gate_up_proj), _local(experts.down_proj)
+            self.act, self.gated = experts.act_fn, True
         self.num_experts = int(self.router.weight.shape[0])
         self.local_experts = self.gate_up.shape[0]
-        f = int(experts.down_proj.shape[-1])  # the whole intermediate width
+        f = int(experts.down_proj.shape[-1]) if self.gated else None  # the intermediate width
         # the packed gate|up widths the repairs keep (S(1): [g_r | u_r]); a row/row gate_up
         # was placed with its outputs in rank order, so its partial sums scatter as they are
-        self.parts = None if (c1, c2) == ("row", "row") else (f, f)
+        self.parts = None if (c1, c2) == ("row", "row") or not self.gated else (f, f)
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert (``counts`` per expert) through their experts; the
@@ -154,8 +174,12 @@ class ExpertsLocal:
         h = _grouped(repair(rows, self.src, self.need1, tp), counts, self.gate_up)
         if rows.shape[0] and tp:  # every tp rank holds the same rows: all skip or none
             h = repair(h, self.prod1, self.need2, tp, self.parts)
-        g, u = h.chunk(2, -1)
-        y = _grouped(self.act(g) * u, counts, self.down)
+        if self.gated:
+            g, u = h.chunk(2, -1)
+            a = self.act(g) * u
+        else:
+            a = self.act(h)
+        y = _grouped(a, counts, self.down)
         if self.prod2 == "S(1)" and rows.shape[0] and tp:
             y = repair(y, "S(1)", "R", tp)  # whole rows before the combine
         return y

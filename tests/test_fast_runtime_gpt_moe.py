@@ -1,0 +1,141 @@
+"""The fast runtime runs shardc's GPT-MoE (``examples/gpt_moe.py``: a plain PyTorch model, not
+an HF class; :mod:`shardc.runtime.gpt_moe_local`) on 4 gloo ranks and 4 fake ranks.
+
+Each case's plan file places the weights of the tiny GPT-MoE; its own ``generate`` (greedy,
+32 new tokens from left-padded prompts) must equal the unsharded model's tokens. GPT-MoE's
+forward takes token ids only (no padding mask, positions from 0), so the reference runs
+each row alone without its padding, full recompute per token (what the runtime's left
+padding means: positions from the first real token, padding masked). The runtime's
+last-position logits of the prompt prefill and one cached decode step are compared too
+(relative 1e-4). One decode step on 4 fake ranks issues exactly the cost model's
+collectives, the ep count exchange (``E`` int64 per MoE layer) the exempt extra
+(:func:`test_fast_runtime_bytes.decode_collectives_match`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backend_gloo import GPT_MOE, MOE, _with
+
+M = "moe_block"
+TOL = 1e-4
+EP_TP = {"ep": 2, "tp": 2}
+CASES = {
+    "gpt-moe ep2 tp2": (GPT_MOE, EP_TP, MOE),
+    "gpt-moe ep2 tp2 experts row/col router col": (
+        GPT_MOE, EP_TP, _with(MOE, M, expert_ffn1="row", expert_ffn2="col", router="col")),
+    "gpt-moe ep2 tp2 experts rep/rep router row": (
+        GPT_MOE, EP_TP, _with(MOE, M, expert_ffn1="rep", expert_ffn2="rep", router="row")),
+    "gpt-moe ep2 tp2 experts col/col, qkv row": (
+        GPT_MOE, EP_TP, _with(MOE, M, expert_ffn1="col", expert_ffn2="col", qkv="row")),
+    "gpt-moe ep2 tp2 sp": (GPT_MOE, {**EP_TP, "sp": 2}, MOE),
+    "gpt-moe pp2 tp2": (GPT_MOE, {"pp": 2, "tp": 2}, MOE),
+}
+BYTES = ["gpt-moe ep2 tp2", "gpt-moe ep2 tp2 experts row/col router col",
+         "gpt-moe ep2 tp2 experts rep/rep router row", "gpt-moe ep2 tp2 experts col/col, qkv row"]
+
+
+def row_reference(model, ids: torch.Tensor, mask: torch.Tensor, new: int):
+    """The unsharded GPT-MoE's greedy continuation of each left-padded row run alone
+    without its padding (full recompute per token), and the last-position logits of the
+    prompt and of the prompt plus the first new token (``[rows, 2, vocab]``)."""
+    out, logits = [], []
+    with torch.no_grad():
+        for b in range(ids.shape[0]):
+            pad = int((mask[b] == 0).sum())
+            row = ids[b:b + 1, pad:]
+            seen = []
+            for _ in range(new):
+                last = model(row)[:, -1]
+                seen.append(last)
+                row = torch.cat([row, last.argmax(-1, keepdim=True)], 1)
+            out.append(torch.cat([ids[b:b + 1, :pad], row], 1))
+            logits.append(torch.cat(seen[:2], 0))
+    return torch.cat(out, 0), torch.stack(logits, 0)
+
+
+def _worker(rank, world, port, payloads, out_dir):
+    import copy
+    import json
+    import os
+
+    import torch.distributed as dist
+    from test_fast_runtime import NEW, PROMPT, prompts
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardc.backends.verify import _build, _vocab
+    from shardc.runtime.generate import decode_step, left_padding
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = []
+    try:
+        for p in payloads:
+            try:
+                ns: dict = {}
+                exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+                torch.manual_seed(0)
+                model, _ = _build(p["model"], 4, PROMPT)
+                ids, mask = prompts(_vocab(model))
+                want, ref_logits = row_reference(copy.deepcopy(model), ids, mask, NEW)
+                mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                                        mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+                model = ns["parallelize"](model, world_mesh=mesh)
+                got = ns["generate"](model, ids, NEW, attention_mask=mask)
+                fast = model._shardc_fast
+                g = fast.batch
+                rows = slice(g.rank * 4 // g.size, (g.rank + 1) * 4 // g.size)
+                cache = fast.new_cache(rows.stop - rows.start, PROMPT + 2)
+                err = 0.0
+                with torch.no_grad():
+                    cache.reset(left_padding(mask)[rows])
+                    first = fast.forward(ids[rows], cache, torch.arange(PROMPT), PROMPT, True)
+                    cache.advance(PROMPT)
+                    second = decode_step(fast, cache, want[rows, PROMPT:PROMPT + 1])
+                if first is not None:  # the last pipeline stage
+                    for i, y in enumerate((first, second)):
+                        ref = ref_logits[rows, i]
+                        err = max(err, float((y[:, -1] - ref).abs().max() / ref.abs().max()))
+                results.append({"equal": bool(torch.equal(got, want)),
+                                "got": got[:, PROMPT:].tolist(),
+                                "want": want[:, PROMPT:].tolist(), "logits_error": err})
+            except Exception as e:  # reported per case
+                import traceback
+
+                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def launched():
+    from test_fast_runtime import WORLD, plan_payload
+
+    from shardc.testing.launch import launch
+
+    names = list(CASES)
+    payloads = [plan_payload(*CASES[n]) for n in names]
+    per_rank = launch(_worker, WORLD, (payloads,), 900,
+                      ("torch", "transformers", "shardc.runtime.fast"))
+    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_generate_equals_unsharded(launched, name):
+    per_rank = launched[name]
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}: {res.get('error')}"
+        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
+        assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
+    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+
+
+@pytest.mark.parametrize("name", BYTES)
+def test_decode_step_collectives_are_the_cost_models(name):
+    from test_fast_runtime_bytes import decode_collectives_match
+
+    decode_collectives_match(name, *CASES[name])
