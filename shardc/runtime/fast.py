@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardc.runtime.apply import batch_mesh, decoder_layers
+from shardc.runtime.apply import batch_mesh
 from shardc.runtime.gathered_experts import GatheredExpertsLocal
 from shardc.runtime.gpt_moe_local import is_gpt_moe, rotary_tables
 from shardc.runtime.kv_cache import KVCache, positions, visible
@@ -276,9 +276,9 @@ class FastModel:
         self.walks = walks
         gpt2 = hasattr(model, "transformer")  # GPT-2: transformer.{wte, wpe, h, ln_f}
         inner = model.transformer if gpt2 else model if plain else model.model
+        inner = getattr(inner, "language_model", inner)  # a multimodal model's text model
         kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
-        layers = decoder_layers(model, "transformer.h" if gpt2 else "layers" if plain
-                                else "model.layers")
+        layers = inner.h if gpt2 else inner.layers
         self.layers = {i: Layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
                        for i in range(len(layers)) if any(True for _ in layers[i].parameters())}
         embed = inner.wte if gpt2 else inner.embed if plain else inner.embed_tokens
@@ -304,8 +304,9 @@ class FastModel:
         self.rotary = getattr(inner, "rotary_emb", None)
         # GPT-MoE: rotate-half tables from rope_theta (its attention computes them per call)
         self.theta = (float(cfg.rope_theta), int(cfg.head_dim)) if plain else None
-        if self.rotary is not None and hasattr(self.rotary, "layer_types"):
-            raise NotImplementedError("rotary tables per layer type (Gemma-3)")
+        # Gemma-3: a table per layer type (local / global rope bases), else one for all
+        types = getattr(self.rotary, "layer_types", None) and getattr(cfg, "layer_types", None)
+        self.rope_type = {i: types[i] if types else None for i in self.layers}
         self.hidden = int(cfg.hidden_size)
         self.dtype = next(p for p in model.parameters()).dtype
         self.device = next(p for p in model.parameters()).device
@@ -315,14 +316,16 @@ class FastModel:
             self.prev = ranks[me - 1] if me > 0 else None
             self.next = ranks[me + 1] if me + 1 < len(ranks) else None
             self.last_rank = ranks[-1]
-        self._tables = None
+        self._tables: dict = {}  # layer type (None: every layer) -> (cos, sin [context, d])
 
     @property
     def graphable(self) -> bool:
-        """Whether a decode step can be captured as a CUDA graph (no host-read split
-        sizes: ep = 1; no point-to-point sends: pp = 1)."""
+        """Whether a decode step can be captured as a CUDA graph: no host-read split sizes
+        (ep = 1, MoE experts on their capture-safe path: ``ExpertsLocal.static``), no
+        point-to-point sends (pp = 1)."""
         return not self.ep and not self.pp and all(
-            layer.experts is None for layer in self.layers.values())
+            layer.experts is None or getattr(layer.experts, "static", False)
+            for layer in self.layers.values())
 
     def new_cache(self, rows: int, context: int) -> KVCache:
         """This rank's KV cache for ``rows`` rows (its dp x ep slice) and ``context`` steps.
@@ -332,10 +335,11 @@ class FastModel:
         for layer in self.layers.values():
             layer.attn.alloc(cache, rows)
         if self.theta is not None:
-            self._tables = rotary_tables(*self.theta, context, self.device, self.dtype)
-        if self.rotary is not None:
-            tables = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
-                                 torch.arange(context, device=self.device)[None])
+            self._tables = {None: rotary_tables(*self.theta, context, self.device, self.dtype)}
+        for kind in (set(self.rope_type.values()) if self.rotary is not None else ()):
+            args = (torch.zeros(1, dtype=self.dtype, device=self.device),
+                    torch.arange(context, device=self.device)[None])
+            tables = self.rotary(*args) if kind is None else self.rotary(*args, kind)
             if torch.is_tensor(tables) and tables.is_complex():  # DeepSeek-V2's e^(i pos freq):
                 for layer in self.layers.values():  # a complex product of adjacent pairs
                     if not isinstance(layer.attn, LatentAttention):
@@ -344,12 +348,13 @@ class FastModel:
                 tables = (torch.cat([tables.real] * 2, -1).to(self.dtype),
                           torch.cat([tables.imag] * 2, -1).to(self.dtype))
             cos, sin = tables
-            self._tables = (cos[0], sin[0])
+            self._tables[kind] = (cos[0], sin[0])
         return cache
 
-    def rope_tables(self, pos: torch.Tensor):
-        """cos / sin ``[rows, seq, rope dim]`` of positions ``pos [rows, seq]``."""
-        cos, sin = self._tables
+    def rope_tables(self, pos: torch.Tensor, kind=None):
+        """cos / sin ``[rows, seq, rope dim]`` of positions ``pos [rows, seq]`` (``kind``:
+        the layer type of a model with a table per type)."""
+        cos, sin = self._tables[kind]
         return cos[pos], sin[pos]
 
     def _embed(self, ids: torch.Tensor, cache: KVCache, steps: torch.Tensor) -> torch.Tensor:
@@ -398,8 +403,9 @@ class FastModel:
             h = torch.empty(rows.stop - rows.start, steps.shape[0], self.hidden,
                             dtype=self.dtype, device=self.device)
             dist.recv(h, src=self.prev, group=self.pp.pg)
-        tables = self.rope_tables if self._tables is not None else None
-        for layer in self.layers.values():
+        for i, layer in self.layers.items():
+            kind = self.rope_type[i]
+            tables = (lambda pos, k=kind: self.rope_tables(pos, k)) if self._tables else None
             h = layer(h, self.residual, cache, steps, upto, tables, prefill)
         if not self.last:
             dist.send(h.contiguous(), dst=self.next, group=self.pp.pg)

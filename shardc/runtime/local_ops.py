@@ -137,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # RMSNorms scaling by ``1 + weight`` in fp32 (Gemma's), by class name
-OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm")
+OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 def norm_of(module, x: torch.Tensor) -> torch.Tensor:
