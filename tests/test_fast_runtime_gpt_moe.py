@@ -9,16 +9,22 @@ padding means: positions from the first real token, padding masked). The runtime
 last-position logits of the prompt prefill and one cached decode step are compared too
 (relative 1e-4). One decode step on 4 fake ranks issues exactly the cost model's
 collectives, the ep count exchange (``E`` int64 per MoE layer) the exempt extra
-(:func:`test_fast_runtime_bytes.decode_collectives_match`).
+(:func:`test_fast_runtime_bytes.decode_collectives_match`). A GPT-MoE whose routers carry a
+bias (``tests/data/tiny_gpt_moe_router_bias.py``) runs its router ``col`` (this rank's slice
+of the bias added before the all-gather), ``row`` (the whole bias on tp rank 0 before the
+all-reduce) and ``rep``; the unsharded model with the bias zeroed gives other tokens (the
+check can fail).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_backend_gloo import GPT_MOE, MOE, _with
+from test_backend_gloo import GPT_MOE, MOE, ROOT, _with
 
 M = "moe_block"
+# routers with a bias (drawn): a sharded router adds it around its collective
+BIASED = str(ROOT / "tests" / "data" / "tiny_gpt_moe_router_bias.py")
 TOL = 1e-4
 EP_TP = {"ep": 2, "tp": 2}
 CASES = {
@@ -31,9 +37,13 @@ CASES = {
         GPT_MOE, EP_TP, _with(MOE, M, expert_ffn1="col", expert_ffn2="col", qkv="row")),
     "gpt-moe ep2 tp2 sp": (GPT_MOE, {**EP_TP, "sp": 2}, MOE),
     "gpt-moe pp2 tp2": (GPT_MOE, {"pp": 2, "tp": 2}, MOE),
+    "gpt-moe router bias, router col": (BIASED, EP_TP, _with(MOE, M, router="col")),
+    "gpt-moe router bias, router row": (BIASED, EP_TP, _with(MOE, M, router="row")),
+    "gpt-moe router bias, router rep": (BIASED, EP_TP, MOE),
 }
 BYTES = ["gpt-moe ep2 tp2", "gpt-moe ep2 tp2 experts row/col router col",
-         "gpt-moe ep2 tp2 experts rep/rep router row", "gpt-moe ep2 tp2 experts col/col, qkv row"]
+         "gpt-moe ep2 tp2 experts rep/rep router row", "gpt-moe ep2 tp2 experts col/col, qkv row",
+         "gpt-moe router bias, router col", "gpt-moe router bias, router row"]
 
 
 def row_reference(model, ids: torch.Tensor, mask: torch.Tensor, new: int):
@@ -139,3 +149,20 @@ def test_decode_step_collectives_are_the_cost_models(name):
     from test_fast_runtime_bytes import decode_collectives_match
 
     decode_collectives_match(name, *CASES[name])
+
+
+def test_router_bias_changes_the_tokens():
+    """Without its router bias the biased model picks other tokens: the cases above would
+    fail if a sharded router dropped it."""
+    from test_fast_runtime import NEW, prompts
+
+    from shardc.backends.verify import _build, _vocab
+
+    torch.manual_seed(0)
+    model, _ = _build(BIASED, 4, 6)
+    ids, mask = prompts(_vocab(model))
+    want, _ = row_reference(model, ids, mask, NEW)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.moe.router.bias.zero_()
+    assert not torch.equal(row_reference(model, ids, mask, NEW)[0], want)

@@ -46,8 +46,9 @@ def top_k_routing(logits: torch.Tensor, k: int):
 
 
 def is_plain_router(router) -> bool:
-    """An ``nn.Linear`` router (GPT-MoE's): the block, not the router, picks the experts."""
-    return isinstance(router, nn.Linear)
+    """A plain ``nn.Linear`` router (GPT-MoE's): the block, not the router, picks the
+    experts. A subclass (Phi-3.5-MoE's ``PhimoeTopKRouter``) has a forward of its own."""
+    return type(router) is nn.Linear
 
 
 def expert_weights(experts):

@@ -78,10 +78,9 @@ class _LocalScores(torch.overrides.TorchFunctionMode):
             self.views.append(out)
             return out
         if func is F.linear and len(args) >= 2 and self._is_view(args[1]):
-            if (args[2] if len(args) > 2 else kwargs.get("bias")) is not None:
-                raise NotImplementedError("a sharded router with a bias")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
             w = self.router.local if args[1] is self.router.weight else args[1]
-            return self.router.scores(args[0], w)
+            return self.router.scores(args[0], w, bias)
         return func(*args, **kwargs)
 
 
@@ -103,17 +102,26 @@ class RouterLocal:
         self.plain = is_plain_router(router)
         self.top_k = top_k
 
-    def scores(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The whole scores ``[T, E]`` of ``x [T, h]`` (whole) over shard ``w``."""
-        y = F.linear(repair(x, self.residual, self.need, self.tp), w)
+    def scores(self, x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+        """The whole scores ``[T, E]`` of ``x [T, h]`` (whole) over shard ``w``; ``bias``
+        (``[E]`` whole, or a ``col`` router's shard of it): a ``col`` router adds this
+        rank's experts' slice before the all-gather, a ``row`` one the whole bias on tp rank
+        0 before the all-reduce (:func:`~shardc.runtime.local_ops.linear`)."""
+        if bias is not None:
+            bias = _local(bias)
+            if self.choice == "col" and bias.shape[0] == self.weight.shape[0] and self.tp:
+                bias = bias.chunk(self.tp.size)[self.tp.rank]
+            bias = bias.to(w.dtype)
+        y = linear(repair(x, self.residual, self.need, self.tp), w, bias, self.choice, self.tp)
         y = repair(y, self.produced, self.end, self.tp)
         return y.wait() if hasattr(y, "wait") else y
 
     def __call__(self, x: torch.Tensor, residual: str):
         if self.plain:
             self.residual = residual
-            logits = F.linear(x, self.local) if self.choice == "rep" \
-                else self.scores(x, self.local)
+            bias = self.module.bias
+            logits = F.linear(x, self.local, _local(bias)) if self.choice == "rep" \
+                else self.scores(x, self.local, bias)
             return top_k_routing(logits, self.top_k)
         if self.choice == "rep":
             return self.module(x)
@@ -122,9 +130,12 @@ class RouterLocal:
             return type(self.module).forward(self.module, x)
 
 
-def _grouped(rows: torch.Tensor, counts: list[int], w: torch.Tensor) -> torch.Tensor:
+def _grouped(rows: torch.Tensor, counts, w: torch.Tensor) -> torch.Tensor:
     """``rows`` grouped by local expert (``counts[e]`` rows of expert e) through ``w[e]``
-    (``[E_local, out, in]``)."""
+    (``[E_local, out, in]``). ``counts`` a device tensor: the groups' end offsets (int32),
+    one ``F.grouped_mm`` -- no host read, static shapes (the capture-safe path)."""
+    if torch.is_tensor(counts):
+        return F.grouped_mm(rows, w.transpose(1, 2), offs=counts)
     out, i = [], 0
     for e, n in enumerate(counts):
         if n:
@@ -166,10 +177,17 @@ class ExpertsLocal:
         # the packed gate|up widths the repairs keep (S(1): [g_r | u_r]); a row/row gate_up
         # was placed with its outputs in rank order, so its partial sums scatter as they are
         self.parts = None if (c1, c2) == ("row", "row") or not self.gated else (f, f)
+        # capture-safe decode (a CUDA graph): no ep dispatch, no row gather over tp -- the
+        # per-expert offsets stay on the device and one grouped matmul runs each weight;
+        # on a GPU for bf16 weights (``F.grouped_mm``'s), else the host-count loop
+        self.capture_safe = not ep and not self.gather_rows
+        self.static = self.capture_safe and torch.cuda.is_available() and \
+            self.gate_up.is_cuda and self.gate_up.dtype == torch.bfloat16
 
-    def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (``counts`` per expert) through their experts; the
-        output at the placement the combine carries (``P`` or ``R``)."""
+    def _run(self, rows: torch.Tensor, counts) -> torch.Tensor:
+        """Rows grouped by local expert (``counts`` per expert, or their end offsets on the
+        device: :func:`_grouped`) through their experts; the output at the placement the
+        combine carries (``P`` or ``R``)."""
         tp = self.tp
         h = _grouped(repair(rows, self.src, self.need1, tp), counts, self.gate_up)
         if rows.shape[0] and tp:  # every tp rank holds the same rows: all skip or none
@@ -232,6 +250,11 @@ class ExpertsLocal:
         order = torch.argsort(flat, stable=True)
         tok = order // k
         rows = x2[tok]
+        if self.static:  # capture-safe: the counts' running sums stay on the device
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            back = self._run(rows, torch.cumsum(counts, 0, dtype=torch.int32))
+            return self._combine(back, weights, order, tok, x2, shape, residual)
         counts = torch.bincount(flat, minlength=self.num_experts)
         n_ep, e_l = self.ep.size, self.local_experts
         if self.ep:
@@ -249,6 +272,12 @@ class ExpertsLocal:
             back = funcol.all_to_all_single(y.contiguous(), send, recv, self.ep.pg)
         else:
             back = self._experts(rows, counts.tolist())
+        return self._combine(back, weights, order, tok, x2, shape, residual)
+
+    def _combine(self, back, weights, order, tok, x2, shape, residual) -> torch.Tensor:
+        """The expert outputs ``back`` (the routed pairs, grouped by expert) weighted and
+        summed per token, at the residual's placement."""
+        t = x2.shape[0]
         scaled = back * weights.reshape(-1)[order, None].to(back.dtype)
         out = x2.new_zeros(t, shape[-1]).index_add_(0, tok, scaled.to(x2.dtype))
         if self.token_rows:  # this rank's rows, whole: the residual's placement
