@@ -108,7 +108,11 @@ class LatentAttention:
     latent space through ``kv_b_proj``'s key half, attention reads the cached latent and
     shared rope key, and the latent output goes through the value half. ``qkv`` ``col``
     splits ``q_b_proj`` / ``kv_b_proj`` by heads (the latent stays whole), ``rep`` keeps
-    them whole (a ``batch`` core then runs this tp rank's rows)."""
+    them whole (a ``batch`` core then runs this tp rank's rows). Under sequence parallelism
+    a ``rep`` qkv runs on this tp rank's rows; before a heads split its ``q`` goes to the
+    rank's heads of every row with the walk's all-to-all and the latents (``kv_lora_rank +
+    qk_rope_head_dim`` per token, shared by the heads) are all-gathered -- one collective
+    more than the walk's (docs/backend.md, "Known differences")."""
 
     def __init__(self, attn, walk: dict, tp: Group, cfg, i: int, window):
         (_, self.c_qkv, _, _), (_, core, self.core_need, _), (_, self.c_out, _, _) = \
@@ -117,9 +121,6 @@ class LatentAttention:
         if (self.c_qkv, core) not in pairs:
             raise NotImplementedError(f"MLA qkv {self.c_qkv} with attention core {core}")
         self.x_need = walk["steps"][0][2]  # where the down projections read their input
-        if self.x_need != "R" and core == "heads":  # rows to heads: the latents all-gathered
-            raise NotImplementedError("MLA qkv rep before a heads split under sequence "
-                                      "parallelism")
         self.walk, self.tp, self.i, self.attn = walk, tp, i, attn
         self.nope, self.rope_d = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
         self.vd, self.lora = int(cfg.v_head_dim), int(cfg.kv_lora_rank)
@@ -157,6 +158,9 @@ class LatentAttention:
         if self.core_need == "S(0)" and self.x_need == "R":
             rows = held_rows(x.shape[0], "S(0)", tp)
             lat, k_rot = lat[rows], k_rot[rows]
+        elif self.core_need == "S(1)" and self.x_need == "S(0)":  # rows -> heads: every row
+            lat, k_rot = repair(torch.cat([lat, k_rot], -1), "S(0)", "R", tp).split(
+                [self.lora, self.rope_d], -1)
         r, s = q.shape[0], q.shape[1]
         q = q.view(r, s, self.heads, self.nope + self.rope_d).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_d], -1)
