@@ -282,6 +282,7 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         wl.update(phase="serve", isl=int(serve_workload.isl), osl=int(serve_workload.osl),
                   mode=serve_workload.mode)
     params = param_plan(g, strategy, kind_of_layer)  # KV heads: from the IR
+    ops = op_rows(g, strategy, dims)
     return Plan(
         schema_version=SCHEMA_VERSION, shardc_version=__version__,
         model={"name": g.name, "params": int(g.num_params), "layers": int(g.num_layers),
@@ -292,23 +293,30 @@ def build_plan(graph: Graph, strategy: Strategy, mesh: Mesh | str, hardware: str
         spmd_dims=dims,
         layer_kinds=[{"name": k.name, "count": k.count, "layers": list(k.layers),
                       **attention_variant(k)} for k in g.layer_kinds],
-        ops=op_rows(g, strategy, dims),
+        ops=ops,
         params=params,
-        nodes=nodes, predicted=_with_runtime(predicted, g, deg, workload.phase),
+        nodes=nodes, predicted=_with_runtime(predicted, g, deg, workload.phase, ops),
         baseline=dict(baseline or {}), search=dict(search or {}), serving=dict(serving or {}))
 
 
-def _with_runtime(predicted: dict | None, g: Graph, deg, phase: str) -> dict:
+def _with_runtime(predicted: dict | None, g: Graph, deg, phase: str, ops=()) -> dict:
     """``predicted`` plus ``runtime`` (:func:`shardc.cost.runtime_step.runtime_prediction`:
-    the emitted runtime's step beside the engine's) when the engine predicts a step."""
+    the emitted runtime's step beside the engine's) when the engine predicts a step.
+    ``ops``: plan.json's op rows (whether the experts are replicated over tp)."""
     from shardc.cost.runtime_step import runtime_prediction
 
     out = dict(predicted or {})
     if out.get("breakdown") and "runtime" not in out:
         moe = sum(k.count for k in g.layer_kinds if k.op("expert_ffn1") is not None)
         experts = int(g.config.get("num_experts", 0) or 0)
+        rep_experts = all(str(o.get("choice")) == "rep" for o in ops
+                          if str(o.get("name", "")).split(".")[-1].startswith("expert_ffn"))
+        # the runtime's MoE decode is captured (ExpertsLocal.static) without an ep
+        # dispatch, the all-gather dispatch, or the tp row gather of sequence parallelism
+        capturable = deg.ep == 1 and not deg.experts_resplit and (
+            deg.sp == 1 or deg.tp == 1 or rep_experts)
         rt = runtime_prediction(out, deg.as_dict(), int(g.num_layers), moe,
-                                experts // max(int(deg.ep), 1), phase)
+                                experts // max(int(deg.ep), 1), phase, capturable)
         if rt is not None:
             out["runtime"] = rt
     return out

@@ -4,9 +4,11 @@
 The kernels are the ones the cost model prices (torch calls cuBLAS GEMMs, SDPA, NCCL: the
 per-op times of ``predicted.breakdown``); what the runtime adds is host work per step:
 
-* a decode step captured as a CUDA graph (pp = 1, no MoE dispatch: ``graphable``) costs one
-  graph replay plus the sampler and the token copy: :data:`GRAPH_STEP_MS` per step;
-* an eager step (MoE layers -- host-read split sizes --, pipeline stages, or prefill, which
+* a decode step captured as a CUDA graph (pp = 1; MoE layers only on their capture-safe path
+  -- ep = 1, no all-gather dispatch, no row gather over tp: ``moe_capturable`` --;
+  ``FastModel.graphable``) costs one graph replay plus the sampler and the token copy:
+  :data:`GRAPH_STEP_MS` per step;
+* an eager step (MoE layers with host-read split sizes, pipeline stages, or prefill, which
   the runtime does not capture) launches every torch op from Python:
   :data:`EAGER_OP_MS` per op, :data:`OPS_PER_LAYER` ops per decoder layer of a stage
   (counted on the runtime's forward: norms, projections, rotary, cache write, mask,
@@ -34,7 +36,8 @@ PP_NOTE = "; pp: stages in turn at the whole batch (upper bound)"
 
 
 def runtime_prediction(predicted: dict, degrees: dict, layers: int, moe_layers: int,
-                       local_experts: int, phase: str) -> dict | None:
+                       local_experts: int, phase: str,
+                       moe_capturable: bool = False) -> dict | None:
     """``{step_ms, overhead_ms, source}`` for a plan whose engine prediction is
     ``predicted`` (plan.json's, with ``breakdown``); None when the engine predicts no step."""
     bd = predicted.get("breakdown") or {}
@@ -49,7 +52,8 @@ def runtime_prediction(predicted: dict, degrees: dict, layers: int, moe_layers: 
             + float(bd.get("pp_send_ms") or 0.0) * (pp - 1)
     else:
         kernels = float(tick)
-    graphable = phase == "decode" and pp == 1 and ep == 1 and moe_layers == 0
+    graphable = phase == "decode" and pp == 1 and ep == 1 and (moe_layers == 0
+                                                               or moe_capturable)
     if graphable:
         overhead = GRAPH_STEP_MS
     else:
