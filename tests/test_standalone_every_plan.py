@@ -8,17 +8,23 @@ degrees with and without sequence parallelism and, for the non-HF layouts, with 
 stages, every pair of
 choices of two ops of one branch (attention: qkv x attn_core x out_proj in pairs; experts:
 expert_ffn1 x expert_ffn2; mlp; router against experts), the other ops Megatron's. Legal or
-not for the cost model, each such plan must be deployable. Emitting only (no process group):
-cheap; the numerics of the formerly uncovered pairs are :mod:`test_styles_coverage`'s.
+not for the cost model, each such plan must be deployable, and runs on the one fast runtime:
+its file's ``parallelize`` places the tiny model on rank 0 of a 4-rank ``fake`` process group
+and :class:`shardc.runtime.fast.FastModel` builds on it (a plan the runtime does not run
+raises NotImplementedError naming what: none may). Building only, no step (cheap); the
+numerics of the formerly uncovered pairs are :mod:`test_styles_coverage`'s and the
+``test_fast_runtime*`` files'.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from test_runtime_styles import TORCH_ONLY, _imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,16 +84,50 @@ def _plans(model: str, degrees: dict):
                                                    "h100", Workload(batch=8, context=64))
 
 
+@pytest.fixture
+def fake_ranks():
+    """Rank 0 of a 4-rank ``fake`` process group (every case's world is 4)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _runtime_builds(code: str, model) -> None:
+    """The plan file ``code`` places ``model`` and the fast runtime builds on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardc.runtime.fast import FastModel
+
+    ns: dict = {}
+    exec(compile(code, "<parallelize.py>", "exec"), ns)
+    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+    placed = ns["parallelize"](model, world_mesh=mesh)
+    FastModel(placed, mesh, ns["WALKS"], ns["LAYER_KINDS"])
+
+
 @pytest.mark.parametrize("model, degrees", CASES,
                          ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for m, d in CASES])
-def test_every_choice_pair_emits_a_torch_only_file(model, degrees):
-    seen = 0
+def test_every_choice_pair_emits_a_torch_only_file(model, degrees, fake_ranks):
+    from shardc.backends.verify import _build
+
+    tiny, _ = _build(MODELS[model], 8, 4)
+    seen, refused = 0, []
     for label, plan in _plans(model, degrees):
         code = plan.code(standalone=True)  # raises InputError if a plan is not deployable
         mods = {m.split(".")[0] for m in _imported_modules(code)}
         assert mods <= TORCH_ONLY, (label, mods)
-        default = _imported_modules(plan.code())
-        assert {m for m in default if m.startswith("shardc")} <= {"shardc.runtime",
-                                                                  "shardc.fingerprint"}, label
+        default = plan.code()
+        assert {m for m in _imported_modules(default) if m.startswith("shardc")} <= {
+            "shardc.runtime", "shardc.fingerprint"}, label
+        try:
+            _runtime_builds(default, copy.deepcopy(tiny))
+        except NotImplementedError as e:
+            refused.append(f"{label}: {e}")
         seen += 1
     assert seen >= 27, seen  # the attention pairs at least
+    assert not refused, refused  # every plan runs on the fast runtime

@@ -5,10 +5,12 @@ collectives and a :class:`shardc.runtime.kv_cache.KVCache` it owns.
 
 Families: Llama-style attention (GQA -- KV heads replicated when tp exceeds them --, q/k/v
 biases, Qwen3's per-head and OLMoE's whole-projection q/k norms, sliding windows, Gemma-2's
-softcapping, scaled embedding and sandwich norms, Granite's multipliers), GPT-2 (packed
-Conv1D q|k|v, learned positions, layer norms, a plain MLP), DeepSeek-V2/V3 MLA (absorbed:
-attention runs in the latent space, the cache holds the latent; per head after a ``row``
-qkv or a ``col`` one before a batch split,
+softcapping, scaled embedding and sandwich norms, Gemma-3's rotary table per layer type and
+a multimodal class's text model, Granite's multipliers), GPT-2 (packed Conv1D q|k|v, learned
+positions, layer norms, a plain MLP), shardc's GPT-MoE (a packed ``qkv`` linear, rotary
+tables from ``rope_theta``, ``[E, in, out]`` experts: :mod:`shardc.runtime.gpt_moe_local`),
+DeepSeek-V2/V3 MLA (absorbed: attention runs in the latent space, the cache holds the
+latent; per head after a ``row`` qkv or a ``col`` one before a batch split,
 :mod:`shardc.runtime.mla_local`), gated MLPs, sparse MoE blocks with HF stacked experts
 (Mixtral, Qwen3-MoE, DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`).
 Sequence parallelism: the residual ``S(0)`` holds this tp rank's rows.
