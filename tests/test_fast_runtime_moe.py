@@ -4,7 +4,8 @@ router), DeepSeek-V3's sigmoid / score-correction / group-limited router sharded
 ``row``, and the MoE families whose blocks differ from Mixtral's -- Qwen2-MoE's gated shared
 expert, ERNIE-4.5's score bias and shared experts, Granite-MoE's ``block_sparse_moe`` and
 multipliers, Phi-3.5-MoE's sparsemixer router and LayerNorms, ERNIE's and DeepSeek-V2's
-adjacent-pair rotary (GLM-style / complex tables) -- from their config.json's tiny variant
+adjacent-pair rotary (GLM-style / complex tables; the latter with MLA absorbed and per head
+after a ``row`` qkv) -- from their config.json's tiny variant
 (``tests/family_matrix.py``; score-correction biases drawn, HF initialises them to 0).
 
 Each case's plan file places the weights; its own ``generate`` (greedy, 32 new tokens from
@@ -66,6 +67,8 @@ FAMILIES = {
                                                         "expert_ffn2": "col"}),
     "phi-3.5-moe sparsemixer, LayerNorm": ("phi3_5_moe", {"router": "col"}),
     "deepseek-v2-lite complex rotary, router row": ("deepseek_v2_lite", {"router": "row"}),
+    "deepseek-v2-lite complex rotary, MLA per head after a row qkv": (
+        "deepseek_v2_lite", {"qkv": "row"}),
     "olmoe top-k not renormalised, router row": ("olmoe_1b_7b", {"router": "row"}),
 }
 # the tiny model of a family, its score-correction biases drawn (HF initialises them to 0,

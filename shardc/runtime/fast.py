@@ -344,7 +344,7 @@ class FastModel:
             tables = self.rotary(*args) if kind is None else self.rotary(*args, kind)
             if torch.is_tensor(tables) and tables.is_complex():  # DeepSeek-V2's e^(i pos freq):
                 for layer in self.layers.values():  # a complex product of adjacent pairs
-                    if not isinstance(layer.attn, LatentAttention):
+                    if not isinstance(layer.attn, (LatentAttention, PerHeadLatentAttention)):
                         raise NotImplementedError("complex rotary tables outside MLA")
                     layer.attn.interleave = True
                 tables = (torch.cat([tables.real] * 2, -1).to(self.dtype),
