@@ -116,9 +116,10 @@ class Attention:
         self.kv_rep = max(n // self.hkv, 1)
         self.hkv_local = max(self.hkv // n, 1)
         self.parts = (self.hq * self.d, self.hkv * self.d, self.hkv * self.d)
+        # GPT-2's reorder_and_upcast_attn (HF honours it under eager attention only)
+        self.upcast = bool(getattr(attn, "reorder_and_upcast_attn", False)) and \
+            getattr(cfg, "_attn_implementation", None) == "eager"
         if hasattr(attn, "c_attn"):  # GPT-2: packed q|k|v Conv1D weights [in, out]
-            if getattr(attn, "reorder_and_upcast_attn", False):
-                raise NotImplementedError("GPT-2's reorder_and_upcast_attn")
             self.wqkv, self.bqkv = [_local(attn.c_attn.weight).t()], [_local(attn.c_attn.bias)]
             self.wo, self.bo = _local(attn.c_proj.weight).t(), attn.c_proj.bias
         elif hasattr(attn, "qkv"):  # GPT-MoE: one packed q|k|v linear, ``out``
@@ -176,7 +177,7 @@ class Attention:
         else:
             keys, vals, kst = layer.view(upto)
         o = attend(q, keys, vals, visible(kst, steps, start, self.window), self.scale,
-                   self.softcap)
+                   self.softcap, self.upcast)
         (_, _, need, prod) = steps_w[2]
         o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, self.c_out, tp)
         return repair(o, prod, self.walk["end"], tp)

@@ -209,17 +209,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           scale: float, softcap: float | None = None) -> torch.Tensor:
+           scale: float, softcap: float | None = None, upcast: bool = False) -> torch.Tensor:
     """SDPA of ``q [rows, hq, s, d]`` over ``k`` / ``v [rows, hkv, n, d]`` (grouped heads)
     under boolean ``mask [rows, 1, s, n]``; returns ``[rows, s, hq * dv]``. Grouped heads
     are read in place (``enable_gqa``: no copy of the cache per query head). ``softcap``
     (Gemma-2's logit softcapping, ``cap * tanh(scores / cap)``): SDPA has none, so the
-    scores are computed explicitly (fp32 softmax, as HF's eager attention)."""
+    scores are computed explicitly (fp32 softmax, as HF's eager attention). ``upcast``
+    (GPT-2's ``reorder_and_upcast_attn``): the scores computed from fp32 ``q`` and ``k``,
+    the fp32 probabilities cast to the values' dtype."""
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if softcap:
+    if softcap or upcast:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+        scores = ((q.float() @ k.float().transpose(-1, -2)) if upcast
+                  else (q @ k.transpose(-1, -2))) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
         o = probs.to(q.dtype) @ v
     else:

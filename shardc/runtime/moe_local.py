@@ -179,10 +179,12 @@ class ExpertsLocal:
         self.parts = None if (c1, c2) == ("row", "row") or not self.gated else (f, f)
         # capture-safe decode (a CUDA graph): no ep dispatch, no row gather over tp -- the
         # per-expert offsets stay on the device and one grouped matmul runs each weight;
-        # on a GPU for bf16 weights (``F.grouped_mm``'s), else the host-count loop
+        # on a GPU for bf16 weights with 16-byte aligned rows (``F.grouped_mm``'s), else
+        # the host-count loop
         self.capture_safe = not ep and not self.gather_rows
         self.static = self.capture_safe and torch.cuda.is_available() and \
-            self.gate_up.is_cuda and self.gate_up.dtype == torch.bfloat16
+            self.gate_up.is_cuda and self.gate_up.dtype == torch.bfloat16 and all(
+                d % 8 == 0 for d in (*self.gate_up.shape[1:], *self.down.shape[1:]))
 
     def _run(self, rows: torch.Tensor, counts) -> torch.Tensor:
         """Rows grouped by local expert (``counts`` per expert, or their end offsets on the
