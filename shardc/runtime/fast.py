@@ -193,8 +193,8 @@ class Layer:
         elif hasattr(layer, "ln_attn"):  # GPT-MoE's block: ln_attn, attn, ln_moe, moe
             attn, self.ln1, self.ln2 = layer.attn, layer.ln_attn, layer.ln_moe
             names = {"attn", "ln_attn", "ln_moe", "moe"}
-        else:
-            attn, self.ln1, self.ln2 = (layer.self_attn, layer.input_layernorm,
+        else:  # OLMo-2: no input norm (norms after the branches only)
+            attn, self.ln1, self.ln2 = (layer.self_attn, getattr(layer, "input_layernorm", None),
                                         layer.post_attention_layernorm)
             names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm",
@@ -211,11 +211,15 @@ class Layer:
             self.attn = Attention(attn, walk, tp, cfg, i)
         # Granite: the branches' outputs scaled before their residual adds
         self.res_mult = float(getattr(layer, "residual_multiplier", 1.0) or 1.0)
-        # Gemma-2: the attention / MLP outputs are normed before their residual adds
+        # Gemma-2/3: the attention / MLP outputs are normed before their residual adds and
+        # the MLP input after it; OLMo-2: the outputs only (no input norms)
         self.post_ff = getattr(layer, "post_feedforward_layernorm", None)
         self.pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
-        if (self.post_ff is None) != (self.pre_ff is None):
-            raise NotImplementedError("a decoder layer with one of pre / post feed-forward norms")
+        sandwich = (self.pre_ff is None) == (self.post_ff is None)  # both or neither
+        olmo2 = self.pre_ff is None and self.post_ff is not None
+        if not (olmo2 if self.ln1 is None else sandwich):
+            raise NotImplementedError("a decoder layer with these input / pre / post feed-forward "
+                                      "norms")
         extra = {n for n, _ in layer.named_children()} - names
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
@@ -231,11 +235,14 @@ class Layer:
         self.shared = shared_branch(mlp, kind_walk, tp) if self.experts else None
 
     def __call__(self, h, residual, cache, steps, upto, rope_tables, prefill):
-        x = norm_of(self.ln1, h)
+        x = h if self.ln1 is None else norm_of(self.ln1, h)
         a = self.attn(x, residual, cache, steps, upto, rope_tables, prefill)
         if self.pre_ff is not None:  # Gemma-2's sandwich norms
             h = h + norm_of(self.ln2, a)
             x = norm_of(self.pre_ff, h)
+        elif self.ln1 is None:  # OLMo-2: the branch output normed, the MLP reads h
+            h = h + norm_of(self.ln2, a)
+            x = h
         else:
             h = h + (a if self.res_mult == 1.0 else a * self.res_mult)
             x = norm_of(self.ln2, h)

@@ -128,12 +128,18 @@ def linear_parts(x: torch.Tensor, ws, bs, choice: str, g: Group) -> torch.Tensor
     return torch.cat([linear(x, w, b, choice, g) for w, b in zip(ws, bs)], -1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF's Llama-family modules compute it (fp32 statistics)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             fp32_weight: bool = False) -> torch.Tensor:
+    """RMSNorm as HF's Llama-family modules compute it (fp32 statistics; the weight applied
+    after the cast back, or before it with ``fp32_weight``: OLMo-2's)."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return (weight * x32).to(dtype) if fp32_weight else weight * x32.to(dtype)
+
+
+# RMSNorms applying their weight in fp32, before the cast back (OLMo-2's), by class name
+FP32_WEIGHT_RMS_NORMS = ("Olmo2RMSNorm",)
 
 
 # RMSNorms scaling by ``1 + weight`` in fp32 (Gemma's), by class name
@@ -150,7 +156,8 @@ def norm_of(module, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.eps)
         return (x32 * (1.0 + w.float())).type_as(x)
-    return rms_norm(x, w, module.variance_epsilon)
+    return rms_norm(x, w, module.variance_epsilon,
+                    type(module).__name__ in FP32_WEIGHT_RMS_NORMS)
 
 
 def local_tensor(t):
@@ -170,16 +177,20 @@ def projection_norms(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, g: Group 
         return getattr(m, "variance_epsilon", None) or m.eps
 
     wq, wk = local_tensor(q_norm.weight), local_tensor(k_norm.weight)
+    fp32_weight = type(q_norm).__name__ in FP32_WEIGHT_RMS_NORMS
     if g is None or not g:
-        return rms_norm(q, wq, eps(q_norm)), rms_norm(k, wk, eps(k_norm))
+        return (rms_norm(q, wq, eps(q_norm), fp32_weight),
+                rms_norm(k, wk, eps(k_norm), fp32_weight))
     q32, k32 = q.float(), k.float()
     ss = torch.cat([q32.pow(2).sum(-1, keepdim=True), k32.pow(2).sum(-1, keepdim=True)], -1)
     ss = funcol.all_reduce(ss, "sum", g.pg)
     q32 = q32 * torch.rsqrt(ss[..., :1] / (q.shape[-1] * g.size) + eps(q_norm))
     k32 = k32 * torch.rsqrt(ss[..., 1:] / (k.shape[-1] * g.size) + eps(k_norm))
     n = g.size // kv_replicas
-    return (wq.chunk(g.size)[g.rank] * q32.to(q.dtype),
-            wk.chunk(n)[g.rank // kv_replicas] * k32.to(k.dtype))
+    wq, wk = wq.chunk(g.size)[g.rank], wk.chunk(n)[g.rank // kv_replicas]
+    if fp32_weight:
+        return (wq * q32).to(q.dtype), (wk * k32).to(k.dtype)
+    return wq * q32.to(q.dtype), wk * k32.to(k.dtype)
 
 
 def repeat_kv_heads(y: torch.Tensor, parts, head_dim: int, copies: int):
