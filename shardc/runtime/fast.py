@@ -122,9 +122,11 @@ class Attention:
         if hasattr(attn, "c_attn"):  # GPT-2: packed q|k|v Conv1D weights [in, out]
             self.wqkv, self.bqkv = [_local(attn.c_attn.weight).t()], [_local(attn.c_attn.bias)]
             self.wo, self.bo = _local(attn.c_proj.weight).t(), attn.c_proj.bias
-        elif hasattr(attn, "qkv"):  # GPT-MoE: one packed q|k|v linear, ``out``
-            self.wqkv, self.bqkv = [_local(attn.qkv.weight)], [_local(attn.qkv.bias)]
-            self.wo, self.bo = _local(attn.out.weight), attn.out.bias
+        elif hasattr(attn, "qkv") or hasattr(attn, "qkv_proj"):  # one packed q|k|v linear
+            qkv = attn.qkv if hasattr(attn, "qkv") else attn.qkv_proj  # GPT-MoE's, Phi-3's
+            out = attn.out if hasattr(attn, "out") else attn.o_proj
+            self.wqkv, self.bqkv = [_local(qkv.weight)], [_local(qkv.bias)]
+            self.wo, self.bo = _local(out.weight), out.bias
         else:
             projs = (attn.q_proj, attn.k_proj, attn.v_proj)
             self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
@@ -199,7 +201,8 @@ class Layer:
             names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm",
                      "block_sparse_moe"}
-        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "qkv", "kv_a_proj_with_mqa")):
+        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "qkv", "qkv_proj",
+                                               "kv_a_proj_with_mqa")):
             raise NotImplementedError(f"attention module {type(attn).__name__}")
         walk = kind_walk["attention"]
         per_head = walk["steps"][0][1] == "row" or (walk["steps"][0][1] == "col"
@@ -220,7 +223,8 @@ class Layer:
         if not (olmo2 if self.ln1 is None else sandwich):
             raise NotImplementedError("a decoder layer with these input / pre / post feed-forward "
                                       "norms")
-        extra = {n for n, _ in layer.named_children()} - names
+        extra = {n for n, m in layer.named_children()  # dropout: the identity in inference
+                 if not isinstance(m, torch.nn.Dropout)} - names
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
         mlp = next(getattr(layer, a) for a in ("mlp", "moe", "block_sparse_moe")  # GPT-MoE's,
@@ -229,7 +233,8 @@ class Layer:
             else ExpertsLocal  # the experts split their own way: the all-gather dispatch
         self.experts = experts(mlp, kind_walk, tp, ep) if "experts" in kind_walk else None
         dense = PlainMLP if hasattr(mlp, "c_fc") else DenseMLP
-        if not self.experts and not any(hasattr(mlp, a) for a in ("c_fc", "gate_proj")):
+        if not self.experts and not any(hasattr(mlp, a) for a in ("c_fc", "gate_proj",
+                                                                  "gate_up_proj")):
             raise NotImplementedError(f"MLP module {type(mlp).__name__}")
         self.mlp = None if self.experts else dense(mlp, kind_walk["mlp"], tp)
         self.shared = shared_branch(mlp, kind_walk, tp) if self.experts else None
@@ -358,6 +363,10 @@ class FastModel:
                 tables = (torch.cat([tables.real] * 2, -1).to(self.dtype),
                           torch.cat([tables.imag] * 2, -1).to(self.dtype))
             cos, sin = tables
+            if any(isinstance(layer.attn, Attention) and layer.attn.d != cos.shape[-1]
+                   for layer in self.layers.values()):
+                raise NotImplementedError("a partial rotary embedding (rotary dim "
+                                          f"{cos.shape[-1]} of the head dim)")
             self._tables[kind] = (cos[0], sin[0])
         return cache
 

@@ -290,21 +290,26 @@ class ExpertsLocal:
 
 class DenseMLP:
     """A gated MLP branch (``mlp`` / ``shared_experts``: ffn1 = gate|up, ffn2 = down) on
-    local shards, its activation placed as the walk says."""
+    local shards, its activation placed as the walk says; gate / up as two linears, or one
+    packed ``gate_up_proj`` (Phi-3's: this rank's ``[g_r | u_r]`` as the styles placed it)."""
 
     def __init__(self, module, walk: dict, tp: Group):
         self.steps, self.end, self.tp = walk["steps"], walk["end"], tp
-        self.w1 = [_local(module.gate_proj.weight), _local(module.up_proj.weight)]  # no copy
+        if hasattr(module, "gate_up_proj"):
+            self.w1 = [_local(module.gate_up_proj.weight)]
+            self.act = module.activation_fn
+        else:
+            self.w1 = [_local(module.gate_proj.weight), _local(module.up_proj.weight)]  # no copy
+            self.act = module.act_fn
         self.w2 = _local(module.down_proj.weight)
         self.inter = module.down_proj.in_features if hasattr(module.down_proj, "in_features") \
             else self.w2.shape[1]
-        self.act = module.act_fn
 
     def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
         (_, c1, need1, prod1), (_, c2, need2, prod2) = self.steps
         parts = (self.inter, self.inter)
-        y = linear_parts(repair(x, residual, need1, self.tp), self.w1, (None, None), c1,
-                         self.tp)
+        y = linear_parts(repair(x, residual, need1, self.tp), self.w1, (None,) * len(self.w1),
+                         c1, self.tp)
         y = repair(y, prod1, need2, self.tp, parts)
         g, u = y.chunk(2, -1)
         y = linear(self.act(g) * u, self.w2, None, c2, self.tp)
