@@ -25,6 +25,7 @@ GPT-2's ``n_embd``, is followed), each only when the original has it (not None):
   head_dim when it equalled it; token ids (bos/eos/pad) outside the tiny vocab become None;
 - nested widths (:data:`NESTED`: DBRX's ``attn_config.kv_n_heads``, ``ffn_config``'s FFN
   width, experts, top-k and hidden size) are shrunk as their top-level names would be.
+- a multimodal config's other towers (Gemma-3's vision config): :data:`TOWER`'s widths, one layer.
 
 Layer pattern: each original layer has a signature (its modules' classes and parameter
 shapes in a full-depth probe built on ``meta``, plus its entries in per-layer config lists
@@ -105,8 +106,8 @@ def tiny_config(config: PretrainedConfig, degrees=None) -> PretrainedConfig:
 
 
 def _derive_outer(config: PretrainedConfig, degs: tuple) -> dict:
-    """A multimodal config (e.g. ``llama4``) has its decoder in a text sub-config: that one is
-    shrunk and put back (other sub-configs are left as they are)."""
+    """A multimodal config (e.g. ``llama4``, ``gemma3``) has its decoder in a text sub-config:
+    that one is shrunk and put back; the other towers get :data:`TOWER`'s widths."""
     text = config.get_text_config()
     if text is config:
         return _derive(config, *degs)
@@ -115,8 +116,23 @@ def _derive_outer(config: PretrainedConfig, degs: tuple) -> dict:
     if name is None:
         raise InputError(f"{config.model_type}: cannot find the text model's config to shrink")
     tiny_text = _derive(text, *degs)
-    return dict(config.to_dict(), **{name: tiny_text,
-                                     LAYER_SOURCE_KEY: tiny_text[LAYER_SOURCE_KEY]})
+    outer = config.to_dict()
+    for other in getattr(config, "sub_configs", {}):
+        if other != name and isinstance(outer.get(other), dict):
+            outer[other] = _tiny_tower(outer[other])
+    return dict(outer, **{name: tiny_text, LAYER_SOURCE_KEY: tiny_text[LAYER_SOURCE_KEY]})
+
+
+# a non-text tower (Gemma-3's SigLIP vision config): one narrow layer (its geometry -- image
+# and patch size -- kept, since the projector's pooling is derived from it)
+TOWER = {"num_hidden_layers": 1, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
+         "num_attention_heads": 4}
+
+
+def _tiny_tower(sub: dict) -> dict:
+    """``sub`` (a vision / audio sub-config's dict) with :data:`TOWER`'s widths where it has
+    those fields: verify never feeds it, but every tiny rank builds it."""
+    return dict(sub, **{k: v for k, v in TOWER.items() if sub.get(k) is not None})
 
 
 def _derive(config: PretrainedConfig, tp: int, ep: int, pp: int, dp: int) -> dict:
