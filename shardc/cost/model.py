@@ -60,7 +60,8 @@ from shardc.cost.evaluation import (  # noqa: F401 - re-exported (shardc.cost.mo
     reason_text,
 )
 from shardc.cost.hardware_presets import Hardware, load_hardware
-from shardc.cost.layer_costs import Batch, branch_cost, norms_cost, op_out_width
+from shardc.cost.distinct_rows import context_ids, distinct_branch_cost
+from shardc.cost.layer_costs import Batch, norms_cost, op_out_width
 from shardc.cost.moe_dispatch import (
     LAYOUT_RULES,
     gathered_batch,
@@ -255,6 +256,9 @@ class CostModel:
         split_ok = np.ones(B, dtype=bool)
         tok_int = np.rint(tokens).astype(np.int64)
         seq_int = np.rint(seqs).astype(np.int64)
+        # each distinct (degrees, chunk, branch choices) priced once (cost.distinct_rows)
+        ctx, n_ctx = context_ids(a[:, :len(DEGREE_COMPONENTS)],
+                                 chunk if wl.phase == "decode" else 0.0)
 
         def run(branches):
             res = []
@@ -265,10 +269,10 @@ class CostModel:
                 in_width = fops[0].in_features if bname != "experts" else self.hidden
                 if bname == "embedding":
                     in_width = 1
-                bc = branch_cost(bname, fops, table, combo, b, in_width)
+                bc = distinct_branch_cost(bname, fops, table, combo, b, in_width, ctx, n_ctx)
                 if bx is not None and bname == "experts":  # the all-gather path's rows
-                    bc = merge_resplit(bc, branch_cost(bname, fops, table, combo, bx, in_width),
-                                       resplit)
+                    bc = merge_resplit(bc, distinct_branch_cost(bname, fops, table, combo, bx,
+                                                                in_width, ctx, n_ctx), resplit)
                     nonlocal choices_ok
                     choices_ok &= ~resplit | (combo == megatron_combo(table.ops))
                 if bx is not None and bname == "router":  # every rank routes the gathered rows
