@@ -65,6 +65,7 @@ class PoolObjective(CostModelObjective):
         self.rows: list[dict] = []
         self._tag_codes: dict[str, int] = {}  # search tag -> code in the cached table
         self._cache: tuple = (None,)  # (rows recorded, full table, tag codes)
+        self._tables: dict = {}  # (tags, ordered) -> table(tags), for the cached full table
 
     def __call__(self, actions):
         a = np.atleast_2d(actions)
@@ -101,6 +102,13 @@ class PoolObjective(CostModelObjective):
         full, code = self._full_table()
         if not full or tags is None:
             return full
+        key = (tuple(tags), isinstance(tags, (list, tuple)))  # the summary asks the same often
+        if key not in self._tables:
+            self._tables[key] = self._tagged(full, code, tags)
+        return self._tables[key]
+
+    def _tagged(self, full: dict, code: np.ndarray, tags) -> dict:
+        """:meth:`table` of ``tags`` from the full table and its tag codes (read only)."""
         names = list(tags)
         rank = np.full(len(self._tag_codes) + 1, len(names))
         for i, t in enumerate(names):
@@ -129,6 +137,7 @@ class PoolObjective(CostModelObjective):
                                        for t in tags]))
         code = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
         self._cache = (len(self.rows), full, code)
+        self._tables = {}
         return full, code
 
 
