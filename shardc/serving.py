@@ -242,36 +242,52 @@ def _best_prefill(pool: PoolSearch, tags, ttft_slo: float, isl: int) -> dict:
     return out
 
 
-def disagg_points(prefill: PoolSearch, decode: PoolSearch, tags, tpot_slo: float,
-                  ttft_slo: float, mesh_gpus: int, wl: Workload) -> list[ServeChoice]:
-    """Every decode row on the (TPOT, requests/s) front of its worker size, meeting
-    ``tpot_slo``, combined with the best prefill workers and ratio."""
+def _disagg_rows(prefill: PoolSearch, decode: PoolSearch, tags, tpot_slo: float,
+                 ttft_slo: float, mesh_gpus: int, wl: Workload):
+    """(best prefill workers, decode table, [(decode row, best_ratio combo)]) of
+    :func:`disagg_points`, in its order, nothing decoded."""
     best_p = _best_prefill(prefill, tags, ttft_slo, wl.isl)
     t = decode.objective.table(tags)
     if not best_p or not t:
-        return []
+        return best_p, t, []
     ok = decode.objective.feasible(t, tpot_slo, np.inf)
     rate = t["value"] * t["gpus"] / wl.osl
+    rates = {k: v[0] for k, v in best_p.items()}
     out = []
     for g in np.unique(t["gpus"][ok]):
         # fastest first, the rows not beaten by a faster one
         for i in latency_front(t["tpot"], rate, np.flatnonzero(ok & (t["gpus"] == g))):
-            combo = best_ratio({k: v[0] for k, v in best_p.items()}, int(g), float(rate[i]),
-                               mesh_gpus)
-            if combo is None:
-                continue
-            gp, x, y, req = combo
-            p_rate, pi, pt = best_p[gp]
-            pools = [("prefill", x, _strategy(prefill, pt["actions"][pi], x), _row(pt, pi)),
-                     ("decode", y, _strategy(decode, t["actions"][i], y), _row(t, int(i)))]
-            out.append(ServeChoice("disagg", pools, req * wl.osl / mesh_gpus,
-                                   float(t["tpot"][i]), float(pt["ttft"][pi]), req))
-    return out
+            combo = best_ratio(rates, int(g), float(rate[i]), mesh_gpus)
+            if combo is not None:
+                out.append((int(i), combo))
+    return best_p, t, out
+
+
+def _disagg_choice(prefill: PoolSearch, decode: PoolSearch, best_p: dict, t: dict, i: int,
+                   combo, mesh_gpus: int, wl: Workload) -> ServeChoice:
+    gp, x, y, req = combo
+    p_rate, pi, pt = best_p[gp]
+    pools = [("prefill", x, _strategy(prefill, pt["actions"][pi], x), _row(pt, pi)),
+             ("decode", y, _strategy(decode, t["actions"][i], y), _row(t, i))]
+    return ServeChoice("disagg", pools, req * wl.osl / mesh_gpus, float(t["tpot"][i]),
+                       float(pt["ttft"][pi]), req)
+
+
+def disagg_points(prefill: PoolSearch, decode: PoolSearch, tags, tpot_slo: float,
+                  ttft_slo: float, mesh_gpus: int, wl: Workload) -> list[ServeChoice]:
+    """Every decode row on the (TPOT, requests/s) front of its worker size, meeting
+    ``tpot_slo``, combined with the best prefill workers and ratio."""
+    best_p, t, rows = _disagg_rows(prefill, decode, tags, tpot_slo, ttft_slo, mesh_gpus, wl)
+    return [_disagg_choice(prefill, decode, best_p, t, i, c, mesh_gpus, wl) for i, c in rows]
 
 
 def solve_disagg(prefill, decode, tags, tpot_slo, ttft_slo, mesh_gpus, wl):
-    pts = disagg_points(prefill, decode, tags, tpot_slo, ttft_slo, mesh_gpus, wl)
-    return max(pts, key=lambda c: c.tok_s_per_gpu) if pts else None
+    """The first of :func:`disagg_points` with the most tok/s/GPU (only it decoded)."""
+    best_p, t, rows = _disagg_rows(prefill, decode, tags, tpot_slo, ttft_slo, mesh_gpus, wl)
+    if not rows:
+        return None
+    k = max(range(len(rows)), key=lambda j: rows[j][1][3] * wl.osl / mesh_gpus)
+    return _disagg_choice(prefill, decode, best_p, t, *rows[k], mesh_gpus, wl)
 
 
 # ----------------------------------------------------------------------------- searching
