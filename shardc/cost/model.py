@@ -307,18 +307,21 @@ class CostModel:
 
         # ---- pipeline: stage times and memory (bottleneck stage)
         n_st = int(pp.max()) if B else 1
-        stage_t = np.zeros((B, n_st))
-        stage_m = np.zeros((B, n_st))
+        # [stage, B] (a max over the short outer axis is one vectorised pass per stage)
+        stage_t = np.zeros((n_st, B))
+        stage_m = np.zeros((n_st, B))
         for p in np.unique(pp):
             rows = pp == p
             cnt = self.stage_counts(int(p))
+            lt = [x[rows] for x in layer_time]
+            lm = [x[rows] for x in layer_mem]
             for s in range(int(p)):
                 t = np.zeros(int(rows.sum()))
                 m = np.zeros(int(rows.sum()))
                 for ki in range(len(self.kinds)):
                     if cnt[s, ki]:
-                        t = t + cnt[s, ki] * layer_time[ki][rows]
-                        m = m + cnt[s, ki] * layer_mem[ki][rows]
+                        t = t + cnt[s, ki] * lt[ki]
+                        m = m + cnt[s, ki] * lm[ki]
                 if s == 0 and "embedding" in glob:
                     bc = glob["embedding"][4]
                     t = t + bc.time_s[rows]
@@ -327,13 +330,13 @@ class CostModel:
                     bc = glob["lm_head"][4]
                     t = t + bc.time_s[rows]
                     m = m + bc.weight_bytes[rows]
-                stage_t[rows, s] = t
-                stage_m[rows, s] = m
+                stage_t[s, rows] = t
+                stage_m[s, rows] = m
         from shardc.cost import collectives as coll
 
         send_bytes = tokens / sp_res * self.hidden * self.act_bytes
         send = coll.send_recv(send_bytes, b.groups["pp"], self.hw)
-        tick = stage_t.max(axis=1) + send
+        tick = stage_t.max(axis=0) + send
         if wl.phase == "decode":
             tpot = ppf * tick
             tok_s = bf / tpot / (tpf * epf * ppf)
@@ -357,7 +360,7 @@ class CostModel:
                                                                    b.expert_tokens)
         act = self.act_bytes * 4 * (tokens * self.widest + expert_rows * self.expert_width)
         act = act + b.lm_tokens * self.vocab * 4.0
-        model_bytes = stage_m.max(axis=1) + act
+        model_bytes = stage_m.max(axis=0) + act
         mem_gb = (model_bytes + self.hw.workspace_gb * 1e9) / 1e9
         mem_bad = model_bytes > self.hw.usable_hbm_bytes
 
@@ -370,7 +373,7 @@ class CostModel:
         tok_s = np.where(bad_deg, 0.0, tok_s)
         ev = Evaluation(tok_s_per_gpu=tok_s, tpot_ms=tpot * 1e3, ttft_ms=ttft * 1e3,
                         memory_gb_per_gpu=mem_gb, feasible=reason == OK, reason=reason)
-        return dict(ev=ev, hard=hard, chunk=chunk, kinds=kinds_out, glob=glob, stage_t=stage_t, stage_m=stage_m,
+        return dict(ev=ev, hard=hard, chunk=chunk, kinds=kinds_out, glob=glob, stage_t=stage_t.T, stage_m=stage_m.T,
                     send=send, send_bytes=send_bytes, tick=tick, micro=micro, act=act, b=b, deg=deg,
                     layer_time=layer_time, layer_mem=layer_mem)
 
