@@ -53,6 +53,23 @@ EXACT_LIMIT_S = 20.0  # CPU seconds per pool, for the optimum fraction
 TOP_ALTERNATIVES = 5
 
 
+_TAKEN_ON_USE = ("actions", "tag")  # wide / object columns a selection does not copy
+
+
+class _TakenRows:
+    """Rows ``idx`` of ``array``, taken when indexed (``[i]``, ``[rows]``): a tag selection's
+    wide columns, which the solvers read only a few rows of."""
+
+    def __init__(self, array: np.ndarray, idx: np.ndarray):
+        self.array, self.idx = array, idx
+
+    def __getitem__(self, i):
+        return self.array[self.idx[i]]
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+
 class PoolObjective(CostModelObjective):
     """A pool's objective (value = the pool's tok/s/GPU: output tokens for mixed and decode,
     prompt tokens for prefill) that records every evaluated row under the current ``tag``.
@@ -118,7 +135,9 @@ class PoolObjective(CostModelObjective):
         idx = np.flatnonzero(r < len(names))
         if isinstance(tags, (list, tuple)):
             idx = idx[np.argsort(r[idx], kind="stable")]
-        return {k: v[idx] for k, v in full.items()} if len(idx) else {}
+        if not len(idx):
+            return {}
+        return {k: (_TakenRows(v, idx) if k in _TAKEN_ON_USE else v[idx]) for k, v in full.items()}
 
     def _full_table(self) -> tuple[dict, np.ndarray]:
         """Every recorded row as arrays, and each row's tag code (cached until a new call)."""

@@ -98,3 +98,35 @@ def test_context_ids_and_distinct_keys():
         first, inv = distinct_keys(k, space)
         assert (k[first][inv] == k).all()
         assert (first == np.array([np.flatnonzero(k == v)[0] for v in np.unique(k)])).all()
+
+
+def test_tag_selection_equals_the_copied_rows():
+    """PoolObjective.table(tags) (memoised, wide columns taken on use) holds the rows of
+    those searches, in the order of the list."""
+    from shardc.serving import PoolObjective
+
+    g = fixture_graph("mixtral_8x7b")
+    m = Mesh.parse("8x1")
+    space = StrategySpace(g, m, pool_workload(SERVE, "decode"))
+    obj = PoolObjective(pool_cost_model(g, m, "h100", SERVE, "decode"), space, "decode")
+    rng = np.random.default_rng(5)
+    for tag in ("megatron", "rl", "exact", "rl", "megatron"):
+        obj.tag = tag
+        obj(LegalSampler(space).sample(int(rng.integers(5, 40)), rng))
+    full = obj.table()
+    for tags in (["rl", "megatron"], ("exact",), {"rl", "exact"}, ["exact", "rl", "megatron"]):
+        for _ in range(2):  # the second read comes from the memo
+            t = obj.table(tags)
+            order = list(tags) if isinstance(tags, (list, tuple)) else None
+            rows = [i for i in range(len(full["tag"])) if full["tag"][i] in tags]
+            if order:
+                rows.sort(key=lambda i: order.index(full["tag"][i]))
+            assert len(t["actions"]) == len(rows)
+            for k, v in full.items():
+                got = np.array([t[k][j] for j in range(len(rows))])
+                np.testing.assert_array_equal(got, v[rows], err_msg=k)
+            np.testing.assert_array_equal(t["actions"][np.arange(len(rows))[::2]],
+                                          full["actions"][rows[::2]])
+    obj.tag = "late"  # a new call drops the memo
+    obj(LegalSampler(space).sample(7, rng))
+    assert len(obj.table(["late"])["value"]) == 7
