@@ -1,5 +1,6 @@
-"""Pricing each distinct (degrees, chunk, branch choices) once (cost.distinct_rows) gives the
-same floats as pricing every row (layer_costs.branch_cost per row), on random batches
+"""Pricing each distinct (degrees, chunk, branch choices) once (cost.distinct_rows), with a
+branch's tp repairs in one pass, gives the same floats as pricing every row and every repair
+on its own (layer_costs.branch_cost per row, _pick_collective per op), on random batches
 with many repeated degree rows, for every pool role, the silicon tables and the roofline,
 and the experts' all-gather re-split."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shardc.cost import layer_costs
 from shardc.cost import model as cost_model
 from shardc.cost.distinct_rows import context_ids, distinct_keys
 from shardc.cost.layer_costs import branch_cost
@@ -73,6 +75,7 @@ def test_distinct_pricing_equals_every_row(monkeypatch, name, mesh, role, kernel
             else cm._simulate(acts, space)["ev"])
     fast_r = cm._simulate(acts, space, chunk=chunk)
     monkeypatch.setattr(cost_model, "distinct_branch_cost", _every_row)
+    monkeypatch.setattr(layer_costs, "_tp_repairs", lambda *a: None)  # each repair alone
     ref = (evaluate_scheduled(cm, acts, space)["ev"] if cm.token_budgets is not None
            else cm._simulate(acts, space)["ev"])
     assert (ref.tok_s_per_gpu > 0).sum() > 10  # the batch prices real strategies

@@ -363,6 +363,26 @@ def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw, b: Batch | None 
     return t
 
 
+def _tp_repairs(codes: np.ndarray, tokens, widths: list, b: Batch, start: int,
+                end: bool) -> np.ndarray:
+    """[B, m + 1] seconds of the tp collectives ``codes`` [B, m + 1] before each op (column
+    j: on ``tokens x widths[j]`` activations) and at the end, columns ``start`` .. m - 1
+    (and m where ``end``) priced by :func:`_pick_collective` in one call, 0 elsewhere."""
+    B, n = codes.shape
+    cols = np.arange(start, n if end else n - 1)
+    out = np.zeros((B, n))
+    if not len(cols) or not B:
+        return out
+    S = np.asarray(tokens, dtype=np.float64)[:, None] * np.asarray(widths, dtype=np.float64)[
+        None, cols] * b.act_bytes
+    g = b.groups["tp"]
+    rep = CommGroup(*(np.repeat(np.broadcast_to(x, (B,)), len(cols))
+                      for x in (g.size, g.per_node, g.nodes)))
+    t = _pick_collective(codes[:, cols].reshape(-1), S.reshape(-1), rep, b.hw, b)
+    out[:, cols] = t.reshape(B, len(cols))
+    return out
+
+
 def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.ndarray,
                 b: Batch, in_width: int) -> BranchCost:
     """Time (s) and resident bytes of one branch for each strategy's choice combination."""
@@ -381,10 +401,14 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     kv_div = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
     hw = b.hw
     compute = np.zeros(B)  # the ops' own time, for the overlap with the collectives
+    widths = [in_width] + [op_out_width(f) for f in ops]  # the activation before op j
+    # the tp repairs before each op (and at the end), priced in one pass (detail: one by one)
+    repairs = None if b.detail else _tp_repairs(coll_codes, tokens, widths, b,
+                                                 1 if experts else 0, not experts)
     for j, fop in enumerate(ops):
         S = tokens * width * b.act_bytes
         # the experts' first repair is priced with the dispatch (moe_dispatch)
-        c_s = (np.zeros(B) if experts and j == 0
+        c_s = (np.zeros(B) if experts and j == 0 else repairs[:, j] if repairs is not None
                else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw, b, fop.name))
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
@@ -434,7 +458,8 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
             out.collectives += rows[first + 1:]
         return out
     S = tokens * width * b.act_bytes
-    c_s = _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw, b, f"end of {branch}")
+    c_s = (repairs[:, len(ops)] if repairs is not None else
+           _pick_collective(coll_codes[:, len(ops)], S, b.groups["tp"], hw, b, f"end of {branch}"))
     total += c_s
     if b.detail:
         out.collectives.append(("<end>", coll_codes[:, len(ops)], "tp", S, c_s))
