@@ -276,8 +276,9 @@ class CostModel:
                     nonlocal choices_ok
                     choices_ok &= ~resplit | (combo == megatron_combo(table.ops))
                 if bx is not None and bname == "router":  # every rank routes the gathered rows
-                    bc = merge_resplit(bc, branch_cost(bname, fops, table, combo, b_routed,
-                                                       in_width), resplit)
+                    bc = merge_resplit(bc, distinct_branch_cost(bname, fops, table, combo,
+                                                                b_routed, in_width, ctx, n_ctx),
+                                       resplit)
                     choices_ok &= ~resplit | (combo == megatron_combo(table.ops))  # replicated
                 modes = table.modes[combo, residual]
                 res.append((bname, fops, table, combo, bc))
