@@ -47,6 +47,7 @@ from shardc.cost.branch_tables import (
     branch_table,
     split_requirements,
 )
+from shardc.cost.distinct_rows import context_ids, distinct_branch_cost
 from shardc.cost.evaluation import (  # noqa: F401 - re-exported (shardc.cost.model API)
     BAD_BATCH,
     BAD_CHOICE,
@@ -60,7 +61,6 @@ from shardc.cost.evaluation import (  # noqa: F401 - re-exported (shardc.cost.mo
     reason_text,
 )
 from shardc.cost.hardware_presets import Hardware, load_hardware
-from shardc.cost.distinct_rows import context_ids, distinct_branch_cost
 from shardc.cost.layer_costs import Batch, norms_cost, op_out_width
 from shardc.cost.moe_dispatch import (
     LAYOUT_RULES,
