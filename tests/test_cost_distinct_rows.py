@@ -106,7 +106,7 @@ def test_context_ids_and_distinct_keys():
 def test_tag_selection_equals_the_copied_rows():
     """PoolObjective.table(tags) (memoised, wide columns taken on use) holds the rows of
     those searches, in the order of the list."""
-    from shardc.serving import PoolObjective
+    from shardc.serving_pools import PoolObjective
 
     g = fixture_graph("mixtral_8x7b")
     m = Mesh.parse("8x1")

@@ -18,6 +18,7 @@ RANKS = {
     "passes": 4,
     "frontends": 5,
     "backends": 6, "serving_explain": 6, "plan_checks": 6, "serving_splits": 6,
+    "serving_pools": 6,
     "plan": 7, "driver": 7, "serving": 7, "launch_plan": 7,
     "api": 8,
     "commands": 9, "cli": 9, "__init__": 9,

@@ -16,7 +16,8 @@ from shardc.ir.space import DECODE_BATCHES, StrategySpace
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search import SearchResult
 from shardc.search.legal import LegalSampler
-from shardc.serving import PoolObjective, PoolSearch, half_mesh, summarise
+from shardc.serving import half_mesh, summarise
+from shardc.serving_pools import PoolObjective, PoolSearch
 from tests.cost_graphs import fixture_graph
 
 TAGS = ("rl", "megatron", "best_practice", "exact")
