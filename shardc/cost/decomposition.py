@@ -19,11 +19,12 @@ equals :meth:`CostModel.evaluate` (tested).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from shardc.cost.branch_tables import split_requirements
+from shardc.cost.layer_costs import BranchCost
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace, megatron_op_choices
 
 
@@ -100,6 +101,8 @@ class BranchTermGrid:
     weight_bytes: np.ndarray  # [N, n] per GPU per layer
     kv_bytes: np.ndarray  # [N, n] per GPU per layer (0 for global terms)
     needs: np.ndarray  # [N, n] split requirements (branch_tables.split_requirements bits)
+    term: tuple = (None, 0)  # (kind index or None for a global op, branch index)
+    time_s: np.ndarray | None = None  # [N, n] as priced (time_ms is it x 1e3)
 
 
 def _base_actions(space: StrategySpace, degree_rows: np.ndarray) -> np.ndarray:
@@ -109,11 +112,28 @@ def _base_actions(space: StrategySpace, degree_rows: np.ndarray) -> np.ndarray:
     return np.array([np.concatenate([d, ops[d[tp_col]]]) for d in degree_rows], dtype=np.int64)
 
 
+def _price_term(cm, space, base, col, ki, bi, combos, slots, chunk):
+    """(time s, weight bytes, KV bytes) [rows x combos, flat] of term (``ki``, ``bi``) at
+    every degree row of ``base`` x every combination (other slots as in ``base``)."""
+    nd, n = len(base), len(combos)
+    acts = np.repeat(base, n, axis=0)
+    for j, s in enumerate(slots):
+        acts[:, col[s]] = np.tile(combos[:, j], nd)
+    time_s, wbytes, kvbytes = (np.empty(nd * n) for _ in range(3))
+    for i in range(0, len(acts), chunk):
+        bc = cm.branch_term_cost(acts[i:i + chunk], space, ki, bi)
+        time_s[i:i + chunk] = bc.time_s
+        wbytes[i:i + chunk] = bc.weight_bytes
+        kvbytes[i:i + chunk] = bc.kv_bytes if ki is not None else 0.0
+    return time_s, wbytes, kvbytes
+
+
 def branch_term_grid(cm, space: StrategySpace, degree_rows, chunk: int = 65536
                      ) -> list[BranchTermGrid]:
     """Every (kind, branch) term of the cost model at every row of ``degree_rows``
     (``[N, 5]`` degree/batch indices), other slots held at Megatron's choices; one
-    vectorised simulator call per term (and chunk)."""
+    vectorised call per term (and chunk) pricing that term alone
+    (:meth:`CostModel.branch_term_cost`, the numbers the full step adds up)."""
     rows = np.atleast_2d(np.asarray(degree_rows, dtype=np.int64))[:, : len(DEGREE_COMPONENTS)]
     base = _base_actions(space, rows)
     col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
@@ -123,20 +143,19 @@ def branch_term_grid(cm, space: StrategySpace, degree_rows, chunk: int = 65536
     groups = [(ki, k.name, k.branches) for ki, k in enumerate(cm.kinds)]
     groups.append((None, "global", cm.globals))
     out = []
-    for ki, kname, branches in groups:
+    priced = []  # (branch, its ops but their node lists, costs): the same attention in dense
+    for ki, kname, branches in groups:  # and MoE layers is priced once
         for bi, (bname, fops, table, slots) in enumerate(branches):
             combos = table.combos()
             n = len(combos)
-            acts = np.repeat(base, n, axis=0)
-            for j, s in enumerate(slots):
-                acts[:, col[s]] = np.tile(combos[:, j], nd)
-            time_s, wbytes, kvbytes = (np.empty(nd * n) for _ in range(3))
-            for i in range(0, len(acts), chunk):
-                r = cm._simulate(acts[i:i + chunk], space)
-                bc = r["kinds"][ki][1][bi][4] if ki is not None else r["glob"][bname][4]
-                time_s[i:i + chunk] = bc.time_s
-                wbytes[i:i + chunk] = bc.weight_bytes
-                kvbytes[i:i + chunk] = bc.kv_bytes if ki is not None else 0.0
+            key = (bname, ki is None, [replace(f, nodes=[]) for f in fops])
+            hit = next((costs for k, costs in priced if k == key), None)
+            if hit is not None:
+                time_s, wbytes, kvbytes = hit
+            else:
+                time_s, wbytes, kvbytes = _price_term(cm, space, base, col, ki, bi, combos,
+                                                      slots, chunk)
+                priced.append((key, (time_s, wbytes, kvbytes)))
             legal = np.ones((nd, n), dtype=bool)
             for j, s in enumerate(slots):
                 legal &= masks[:, space.op_slots.index(s), :][:, combos[:, j]]
@@ -144,8 +163,26 @@ def branch_term_grid(cm, space: StrategySpace, degree_rows, chunk: int = 65536
             out.append(BranchTermGrid(kname, bname, list(slots), list(fops), combos, legal,
                                       time_s.reshape(nd, n) * 1e3, wbytes.reshape(nd, n),
                                       kvbytes.reshape(nd, n),
-                                      split_requirements(bname, fops, modes)))
+                                      split_requirements(bname, fops, modes), (ki, bi),
+                                      time_s.reshape(nd, n)))
     return out
+
+
+class GridTermCosts:
+    """``term_costs`` for :meth:`CostModel.evaluate` of actions whose degree rows are
+    ``rows`` (indices into the grid's degree rows): each term's BranchCost read off the grid
+    (the numbers :meth:`CostModel.branch_term_cost` priced, bit for bit)."""
+
+    def __init__(self, terms: list[BranchTermGrid], rows: np.ndarray):
+        self.by_term = {t.term: t for t in terms}
+        self.rows = np.asarray(rows, dtype=np.int64)
+
+    def __call__(self, kind, branch, combo) -> BranchCost:
+        t = self.by_term[(kind, branch)]
+        if len(combo) != len(self.rows):
+            raise ValueError(f"{len(combo)} actions, {len(self.rows)} degree rows")
+        return BranchCost(t.time_s[self.rows, combo], t.weight_bytes[self.rows, combo],
+                          t.kv_bytes[self.rows, combo])
 
 
 def branch_tables(cm, degree_action, space: StrategySpace) -> BranchTables:

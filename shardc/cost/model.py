@@ -61,15 +61,14 @@ from shardc.cost.evaluation import (  # noqa: F401 - re-exported (shardc.cost.mo
     reason_text,
 )
 from shardc.cost.hardware_presets import Hardware, load_hardware
-from shardc.cost.layer_costs import Batch, norms_cost, op_out_width
+from shardc.cost.layer_costs import norms_cost, op_out_width
 from shardc.cost.moe_dispatch import (
     LAYOUT_RULES,
-    gathered_batch,
     megatron_combo,
     merge_resplit,
     resplit_batch,
 )
-from shardc.cost.topology import mesh_groups
+from shardc.cost.step_batch import step_batch
 from shardc.errors import InputError
 from shardc.ir.contract import BRANCHES
 from shardc.ir.graph import Graph
@@ -204,50 +203,62 @@ class CostModel:
         return self._stage_cache[pp]
 
     # ------------------------------------------------------------------- core
+    def _branch(self, branch, a: np.ndarray, step: dict, slot_col: dict, ctx, n_ctx,
+                priced=None):
+        """(combo [B], BranchCost, rows whose op choice a re-split forbids [B]) of one
+        branch ``(name, fops, table, slots)`` at the action rows ``a`` (``ctx`` / ``n_ctx``:
+        :func:`~shardc.cost.distinct_rows.context_ids`); ``priced(combo)``: its BranchCost
+        already computed (the exact sweep's term grid)."""
+        bname, fops, table, slots = branch
+        combo = np.zeros(a.shape[0], dtype=np.int64)
+        for j, s in enumerate(slots):
+            combo += a[:, slot_col[s]] * 3**j
+        in_width = {"experts": self.hidden, "embedding": 1}.get(bname, fops[0].in_features)
+        b, bx, resplit = step["b"], step["bx"], step["resplit"]
+        if priced is not None:
+            bc = priced(combo)
+        else:
+            bc = distinct_branch_cost(bname, fops, table, combo, b, in_width, ctx, n_ctx)
+        forbidden = np.zeros(a.shape[0], dtype=bool)
+        if bx is not None and bname in ("experts", "router"):
+            if priced is None:  # experts: the all-gather path's rows; router: every rank
+                other = bx if bname == "experts" else step["b_routed"]  # routes them all
+                bc = merge_resplit(bc, distinct_branch_cost(bname, fops, table, combo, other,
+                                                            in_width, ctx, n_ctx), resplit)
+            forbidden = resplit & (combo != megatron_combo(table.ops))  # router: replicated
+        return combo, bc, forbidden
+
+    def _contexts(self, a: np.ndarray, step: dict):
+        """:func:`~shardc.cost.distinct_rows.context_ids` of the action rows: each distinct
+        (degrees, chunk, branch choices) is priced once."""
+        return context_ids(a[:, :len(DEGREE_COMPONENTS)],
+                           step["chunk"] if self.workload.phase == "decode" else 0.0)
+
+    def branch_term_cost(self, actions: np.ndarray, space: StrategySpace, kind: int | None,
+                         branch: int):
+        """The BranchCost (seconds, bytes) of one term -- branch ``branch`` of layer kind
+        ``kind`` (None: of the global ops) -- at each action row: the same numbers
+        :meth:`_simulate` adds into the step, without pricing the rest of it."""
+        a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
+        slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
+        branches = self.globals if kind is None else self.kinds[kind].branches
+        step = step_batch(self, a, space)
+        return self._branch(branches[branch], a, step, slot_col, *self._contexts(a, step))[1]
+
     def _simulate(self, actions: np.ndarray, space: StrategySpace, detail: bool = False,
-                  chunk=None) -> dict:
+                  chunk=None, term_costs=None) -> dict:
         """The step of each action row; ``chunk`` [B] overrides the prompt tokens a decode
         step carries per micro-batch per attention group (default ``mixed_prefill`` per
-        running sequence)."""
+        running sequence). ``term_costs(kind, branch, combo)``: the BranchCost of a term
+        at these rows, priced before by :meth:`branch_term_cost` (default chunk)."""
         a = np.atleast_2d(np.asarray(actions, dtype=np.int64))
         B = a.shape[0]
-        deg = space.degree_arrays(a)
-        tp, ep, pp, sp, batch, dp = (deg[k] for k in ("tp", "ep", "pp", "sp", "batch", "dp"))
+        step = step_batch(self, a, space, detail, chunk)
+        deg, b, bx, resplit, tokens, seqs, chunk, micro, batch_ok, residual = (step[k] for k in (
+            "deg", "b", "bx", "resplit", "tokens", "seqs", "chunk", "micro", "batch_ok", "residual"))
+        tp, ep, pp, batch, dp = (deg[k] for k in ("tp", "ep", "pp", "batch", "dp"))
         wl = self.workload
         tpf, epf, ppf, bf = (x.astype(np.float64) for x in (tp, ep, pp, batch))
-        residual = (sp > 1).astype(np.int64)
-        if wl.phase == "decode":
-            seqs = bf / ppf / epf
-            # chunked-prefill tokens riding on the step
-            chunk = seqs * self.mixed_prefill if chunk is None else np.asarray(chunk, float)
-            tokens = seqs + chunk
-            micro = ppf
-            context, kv_context = self.attend_context, float(wl.context)
-            if self.kv_reservation == "paged":
-                kv_context = self.kv_tokens_per_sequence(bf / epf)
-            batch_ok = batch % (pp * ep) == 0
-        else:
-            seqs = np.where(pp > 1, 1.0, bf / epf)
-            tokens = seqs * wl.prompt
-            micro = np.where(pp > 1, bf / epf, 1.0)
-            context, kv_context = float(wl.prompt), float(wl.prompt)
-            batch_ok = batch % ep == 0
-        imb = self.imbalance(tokens * epf, ep)
-        b = Batch(hw=self.hw, phase=wl.phase, tp=tpf, ep=epf, sp=sp, seqs=seqs,
-                  seqs_resident=bf / epf, tokens=tokens,
-                  expert_tokens=tokens * self.top_k * imb,
-                  lm_tokens=seqs, chunk_tokens=chunk if wl.phase == "decode" else 0.0,
-                  context=context, kv_context=kv_context, prompt=float(wl.prompt),
-                  residual=residual,
-                  groups=mesh_groups(tp, ep, np.maximum(dp, 1), pp, self.mesh.gpus_per_node),
-                  hidden=self.hidden, top_k=self.top_k, num_experts=self.num_experts,
-                  weight_bytes=self.weight_bytes, act_bytes=self.act_bytes,
-                  kv_bytes=self.kv_bytes, gemm_peak=self.hw.peak_flops(self.fp8_gemm),
-                  detail=detail, expert_imbalance=imb, fp8_dispatch=self.fp8_dispatch,
-                  moe_layouts=self.moe_layouts, kernels=self.kernels,
-                  redundant_experts=int(wl.redundant_experts), fp8_scaling=wl.fp8_scaling)
-        bx, resplit = self._resplit(b, deg, tokens * epf)
-        b_routed = gathered_batch(b) if bx is not None else None  # what a re-split routes
         slot_col = {s: len(DEGREE_COMPONENTS) + i for i, s in enumerate(space.op_slots)}
         # legality of op choices and token splits
         masks = space.op_masks(a[:, 0])
@@ -256,43 +267,28 @@ class CostModel:
         split_ok = np.ones(B, dtype=bool)
         tok_int = np.rint(tokens).astype(np.int64)
         seq_int = np.rint(seqs).astype(np.int64)
-        # each distinct (degrees, chunk, branch choices) priced once (cost.distinct_rows)
-        ctx, n_ctx = context_ids(a[:, :len(DEGREE_COMPONENTS)],
-                                 chunk if wl.phase == "decode" else 0.0)
+        tokens_split, seqs_split = tok_int % tp == 0, seq_int % tp == 0  # tp divides them
+        ctx, n_ctx = (None, 0) if term_costs is not None else self._contexts(a, step)
 
-        def run(branches):
+        def run(branches, ki):
+            nonlocal choices_ok, split_ok
             res = []
-            for bname, fops, table, slots in branches:
-                combo = np.zeros(B, dtype=np.int64)
-                for j, s in enumerate(slots):
-                    combo += a[:, slot_col[s]] * 3**j
-                in_width = fops[0].in_features if bname != "experts" else self.hidden
-                if bname == "embedding":
-                    in_width = 1
-                bc = distinct_branch_cost(bname, fops, table, combo, b, in_width, ctx, n_ctx)
-                if bx is not None and bname == "experts":  # the all-gather path's rows
-                    bc = merge_resplit(bc, distinct_branch_cost(bname, fops, table, combo, bx,
-                                                                in_width, ctx, n_ctx), resplit)
-                    nonlocal choices_ok
-                    choices_ok &= ~resplit | (combo == megatron_combo(table.ops))
-                if bx is not None and bname == "router":  # every rank routes the gathered rows
-                    bc = merge_resplit(bc, distinct_branch_cost(bname, fops, table, combo,
-                                                                b_routed, in_width, ctx, n_ctx),
-                                       resplit)
-                    choices_ok &= ~resplit | (combo == megatron_combo(table.ops))  # replicated
+            for bi, br in enumerate(branches):
+                bname, fops, table, _ = br
+                priced = (None if term_costs is None
+                          else lambda combo, bi=bi: term_costs(ki, bi, combo))
+                combo, bc, forbidden = self._branch(br, a, step, slot_col, ctx, n_ctx, priced)
+                choices_ok &= ~forbidden
                 modes = table.modes[combo, residual]
                 res.append((bname, fops, table, combo, bc))
-                nonlocal split_ok
                 needs = split_requirements(bname, fops, modes)
-                split_ok &= ((needs & NEEDS_TOKENS_SPLIT) == 0) | (tok_int % tp == 0)
-                split_ok &= ((needs & NEEDS_SEQUENCES_SPLIT) == 0) | (seq_int % tp == 0)
+                split_ok &= ((needs & NEEDS_TOKENS_SPLIT) == 0) | tokens_split
+                split_ok &= ((needs & NEEDS_SEQUENCES_SPLIT) == 0) | seqs_split
             return res
 
-        kinds_out = []
-        layer_time = []
-        layer_mem = []
-        for k in self.kinds:
-            brs = run(k.branches)
+        kinds_out, layer_time, layer_mem = [], [], []
+        for ki, k in enumerate(self.kinds):
+            brs = run(k.branches, ki)
             nt, nw = norms_cost(b, k.other_params)
             t = nt.copy()
             m = nw.copy()
@@ -302,9 +298,9 @@ class CostModel:
             kinds_out.append((k, brs, nt))
             layer_time.append(t)
             layer_mem.append(m)
-        glob = {name: br for name, br in zip([g[0] for g in self.globals], run(self.globals))}
+        glob = dict(zip([g[0] for g in self.globals], run(self.globals, None)))
         sp_res = np.where(residual == 1, tpf, 1.0)
-        split_ok &= (residual == 0) | (tok_int % tp == 0)
+        split_ok &= (residual == 0) | tokens_split
 
         # ---- pipeline: stage times and memory (bottleneck stage)
         n_st = int(pp.max()) if B else 1
@@ -438,11 +434,14 @@ class CostModel:
         out = np.max(ratios, axis=0) - 1.0
         return np.where(np.isin(ev.reason, (BAD_BATCH, BAD_CHOICE, BAD_DEGREES)), np.inf, out)
 
-    def evaluate(self, actions: np.ndarray, space: StrategySpace) -> Evaluation:
-        """Evaluate a batch of actions [B, A] of ``space`` (see :class:`Evaluation`)."""
+    def evaluate(self, actions: np.ndarray, space: StrategySpace,
+                 term_costs=None) -> Evaluation:
+        """Evaluate a batch of actions [B, A] of ``space`` (see :class:`Evaluation`);
+        ``term_costs``: the branch costs already priced (:meth:`_simulate`; unused when a
+        token budget schedules the step)."""
         if self.token_budgets is not None:
             return self._scheduled(actions, space)["ev"]
-        return self._simulate(actions, space)["ev"]
+        return self._simulate(actions, space, term_costs=term_costs)["ev"]
 
     def _scheduled(self, actions: np.ndarray, space: StrategySpace,
                    detail: bool = False) -> dict:
@@ -483,6 +482,13 @@ class CostModel:
         from shardc.cost.decomposition import branch_term_grid
 
         return branch_term_grid(self, space, degree_rows)
+
+    def grid_term_costs(self, terms, rows):
+        """``term_costs`` for :meth:`evaluate` read off :meth:`branch_term_grid`'s ``terms``
+        at degree rows ``rows`` (:class:`shardc.cost.decomposition.GridTermCosts`)."""
+        from shardc.cost.decomposition import GridTermCosts
+
+        return GridTermCosts(terms, rows)
 
     def branch_tables(self, degree_action, space: StrategySpace):
         """Per-(layer kind x branch) cost tables at fixed degrees; see

@@ -16,8 +16,11 @@ against others with the same split requirements.
 Per degree tuple: the kind's Pareto front over its branches (merged branch by branch), the
 product of the kinds' fronts and every legal embedding / lm_head choice are the candidates;
 they are evaluated with the public ``CostModel.evaluate`` (so the answer is the cost model's
-own number). Term tables for all degree tuples come from ``CostModel.branch_term_grid`` (one vectorised
-simulator call per branch; ``CostModel.branch_tables`` is the same grid at one row).
+own number). Term tables for all degree tuples come from ``CostModel.branch_term_grid`` (one
+vectorised call per branch; ``CostModel.branch_tables`` is the same grid at one row). The
+evaluation reads each candidate's branch costs off that grid (``term_costs``,
+``CostModel.grid_term_costs``: the numbers the cost model would price,
+bit for bit; tests/test_search_exact_terms.py) and computes the rest of the step as always.
 """
 
 from __future__ import annotations
@@ -161,26 +164,40 @@ def search_exact_decomposed(cm, sampler: LegalSampler, budget: Budget,
     space = sampler.space
     deg_rows = _degree_rows(sampler)
     terms = cm.branch_term_grid(deg_rows, space)
+    objective = budget.objective
+    reuse = getattr(objective, "cost_model", None) is cm and budget.budget is None
+
+    def flush(parts: list) -> None:
+        acts = np.concatenate([p for p, _ in parts])
+        if reuse:  # the grid priced every branch of these rows: read, not re-priced
+            objective.term_costs = cm.grid_term_costs(terms, np.concatenate([r for _, r in parts]))
+        try:
+            budget(acts)
+        finally:
+            if reuse:
+                objective.term_costs = None
+
     pending, n_pending, total = [], 0, 0
     for lo in range(0, len(deg_rows), BLOCK_ROWS):
         hi = min(lo + BLOCK_ROWS, len(deg_rows))
         acts, counts = candidates_block(lo, hi, deg_rows, terms, space)
         assert (acts >= 0).all()
+        rows = lo + np.repeat(np.arange(hi - lo), counts)  # each candidate's degree row
         ends = np.cumsum(counts)
         start = 0
         for i in range(hi - lo):  # flushed at the same rows as one row at a time
             n_pending += int(counts[i])
             total += int(counts[i])
             if n_pending >= chunk:
-                pending.append(acts[start:ends[i]])
+                pending.append((acts[start:ends[i]], rows[start:ends[i]]))
                 start = int(ends[i])
-                budget(np.concatenate(pending))
+                flush(pending)
                 pending, n_pending = [], 0
             if clock() - t0 > limit:
                 raise ExactIncomplete(f"decomposed exact stopped after {limit:.0f} s "
                                       f"({lo + i} of {len(deg_rows)} degree rows)")
         if start < len(acts):
-            pending.append(acts[start:])
+            pending.append((acts[start:], rows[start:]))
     if pending:
-        budget(np.concatenate(pending))
+        flush(pending)
     return total

@@ -84,9 +84,13 @@ class CostModelObjective:
     def __init__(self, cost_model, space):
         self.cost_model = cost_model
         self.space = space
+        # the exact sweep's branch costs of the next call's rows, priced before
+        # (:class:`shardc.cost.decomposition.GridTermCosts`); None: the cost model prices them
+        self.term_costs = None
 
     def __call__(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ev = self.cost_model.evaluate(np.atleast_2d(actions), self.space)
+        ev = self.cost_model.evaluate(np.atleast_2d(actions), self.space,
+                                      term_costs=self.term_costs)
         wl = self.cost_model.workload
         # how far from feasible (CostModel.violation), read by the row polisher's repair
         self.last_violation = self.cost_model.violation(ev, wl.tpot_slo_ms, wl.ttft_slo_ms)
