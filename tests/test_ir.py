@@ -53,3 +53,35 @@ def test_every_param_is_attached_to_a_node():
 
 def test_param_numel():
     assert Param("w", [3, 4, 5]).numel == 60
+
+
+def _asdict_json(g: Graph) -> str:
+    """Graph.to_json's former body: the deep copy dataclasses.asdict makes, encoded."""
+    from dataclasses import asdict
+
+    return json.dumps(asdict(g), sort_keys=True, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_to_json_is_the_asdict_encoding_byte_for_byte(name):
+    from dataclasses import replace
+
+    g = tiny_graph(name)
+    assert g.to_json() == _asdict_json(g)
+    # nested dataclasses, tuples, None and a namedtuple inside attrs / config encode as asdict
+    # makes them
+    from collections import namedtuple
+
+    pair = namedtuple("pair", "a b")
+    odd = replace(g, config={**g.config, "p": Param("w", [2, 3]), "t": (1, (2, None)),
+                             "nt": pair(1, [Param("v", [4])])})
+    odd.layer_kinds = [replace(odd.layer_kinds[0], attrs={"k": LayerKind("x", 1)})]
+    assert odd.to_json() == _asdict_json(odd)
+
+
+def test_to_json_refuses_what_json_cannot_encode_as_before():
+    g = Graph(name="g", config={"bad": {1, 2}})
+    with pytest.raises(TypeError):
+        _asdict_json(g)
+    with pytest.raises(TypeError):
+        g.to_json()

@@ -289,3 +289,27 @@ def test_opted_in_model_file_is_reduced_through_load_graph(tmp_path, monkeypatch
     monkeypatch.setenv(reduced_depth.FULL_TRACE_ENV, "1")
     assert load_graph(path).to_dict() == graph.to_dict()
     assert depths == [3]
+
+
+def test_a_copied_node_equals_its_template_and_shares_nothing_mutable():
+    from dataclasses import fields
+
+    from shardc.frontends.reduced_depth import _copy_node
+    from shardc.ir.graph import Node, Param
+
+    shape = [4, 8]
+    n = Node("mm_3", "linear", target="aten.mm.default", inputs=["x"], input_shapes=[shape, [8, 8]],
+             output_shape=shape, params=[Param("model.layers.2.w", [8, 8])], layer=2,
+             placements=["S(0)"], redistribute={"a": [1]}, attrs={"k": {"v": [1, 2]}})
+    c = _copy_node(n, name="mm_9", layer=5)
+    assert (c.name, c.layer) == ("mm_9", 5)
+    for f in fields(Node):
+        if f.name not in ("name", "layer"):
+            assert getattr(c, f.name) == getattr(n, f.name), f.name
+            v = getattr(c, f.name)
+            if isinstance(v, (list, dict)):
+                assert v is not getattr(n, f.name), f.name
+    assert c.input_shapes[0] is c.output_shape  # shared inside the node, as in the template
+    c.attrs["k"]["v"].append(3)
+    c.params[0].shape.append(1)
+    assert n.attrs == {"k": {"v": [1, 2]}} and n.params[0].shape == [8, 8]

@@ -43,6 +43,7 @@ import json
 import os
 import re
 from collections import defaultdict
+from dataclasses import fields
 
 import torch
 
@@ -257,11 +258,17 @@ def _from_end(block: list[Node], offset: int) -> str:
     return block[len(block) - offset].name
 
 
+_ATOMIC = (str, int, float, bool, type(None))
+
+
 def _copy_node(n: Node, **changes) -> Node:
-    out = copy.deepcopy(n)
-    for k, v in changes.items():
-        setattr(out, k, v)
-    return out
+    """A copy of ``n`` sharing no mutable value with it, ``changes`` applied (the fields
+    changed are not copied first: deep-copying every node's Param records was most of a
+    cold DeepSeek-V3 expansion)."""
+    memo: dict = {}  # one memo: values shared inside ``n`` stay shared inside the copy
+    kept = {f.name: getattr(n, f.name) for f in fields(Node) if f.name not in changes}
+    return Node(**{k: v if isinstance(v, _ATOMIC) else copy.deepcopy(v, memo)
+                   for k, v in kept.items()}, **changes)
 
 
 def expand(graph: Graph, ep: torch.export.ExportedProgram, kinds: list[int]) -> Graph:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 # Canonical operator kinds (the vocabulary of Node.op).
@@ -220,7 +220,9 @@ class Graph:
         return asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """``json.dumps(self.to_dict())`` (sorted keys, compact), without building the deep
+        copy: the encoder meets each dataclass and asks :func:`_fields_of` for its fields."""
+        return json.dumps(self, sort_keys=True, separators=(",", ":"), default=_fields_of)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Graph:
@@ -252,3 +254,13 @@ class Graph:
     @classmethod
     def from_json(cls, text: str) -> Graph:
         return cls.from_dict(json.loads(text))
+
+
+def _fields_of(value) -> dict[str, Any]:
+    """A dataclass instance's fields by name (what :func:`dataclasses.asdict` makes of it,
+    one level: nested values are encoded as they come); TypeError for anything else, as
+    :func:`json.dumps` raises without a ``default``."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+

@@ -25,12 +25,14 @@ def plot_search_curve(path, curves: dict, megatron: float | None = None,
                       exact: float | None = None, title: str = "",
                       best_practice: float | None = None) -> str:
     """Draw and save the figure; returns the title it carries ("" if none)."""
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    # the object API, not pyplot: no backend switch, no global figure state, and ~0.3 CPU s
+    # less to import on a cold compile
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     for name, curve in curves.items():
         if not curve:
             continue
@@ -57,5 +59,4 @@ def plot_search_curve(path, curves: dict, megatron: float | None = None,
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return ax.get_title()
