@@ -86,7 +86,8 @@ def main() -> int:
         "*reduced* = the default (one traced layer per kind and position pattern, expanded,",
         "`shardc/frontends/reduced_depth.py`), *full* = `SHARDC_FULL_TRACE=1`. CPU s = user + sys",
         "of the process (the figure least distorted by other jobs on this shared 2-core machine;",
-        f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}).",
+        f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average at the "
+        f"end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}).",
         "*same plan* = the two plan.json files are equal once `wall_s` fields are dropped.",
         "",
         "| model | mesh | reduced CPU s | reduced wall s | full CPU s | full wall s | same plan |",
@@ -99,7 +100,11 @@ def main() -> int:
     notes = [f"{m}: {res['reduced']['note']}" for m, _, res, _ in rows if res["reduced"]["note"]]
     if notes:
         lines += ["", "Notes printed by the reduced runs:", ""] + [f"- {n}" for n in notes]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    out = Path(args.out)
+    # the dated sections below the table (measurements of past changes) are kept
+    old = out.read_text().splitlines() if out.is_file() else []
+    kept = next((old[i:] for i, line in enumerate(old) if line.startswith("## ")), [])
+    out.write_text("\n".join(lines + ([""] + kept if kept else [])) + "\n")
     print(f"wrote {args.out}")
     return 0 if all(same for *_, same in rows) else 1
 

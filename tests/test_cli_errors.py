@@ -171,3 +171,15 @@ def test_negative_seed_is_bad_input(capsys, tmp_path):
     assert_one_line(err)
     assert "--seed -1: expected a non-negative integer" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_command_runs_under_the_clis_gc_thresholds_and_main_restores_them(monkeypatch):
+    import gc
+
+    import shardc.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append(gc.get_threshold()) or 0)
+    before = gc.get_threshold()
+    assert cli.main(["compile", TINY, "--mesh", "8x1"]) == 0
+    assert seen == [cli.GC_THRESHOLDS] and gc.get_threshold() == before != cli.GC_THRESHOLDS
