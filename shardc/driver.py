@@ -24,7 +24,7 @@ from shardc.ir.graph import Graph
 from shardc.ir.space import StrategySpace, megatron_ops_at_tp1, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Strategy, Workload
 from shardc.passes.annotate import annotate
-from shardc.search import SearchResult, cost_model_objective, run_search
+from shardc.search import SWEEPS, SearchResult, cost_model_objective, run_search
 from shardc.search.engine_search import search_engine
 
 
@@ -86,13 +86,28 @@ def best_practice_over_splits(space, cost_model, default: SearchResult, budget: 
 
 
 def _dtensor_resplits(policy, space, cost_model, result: SearchResult, budget: int,
-                      seed: int) -> SearchResult:
-    """``result`` (the search at the default experts split) against the same search in every
-    re-split copy of ``space`` the DTensor backend runs (:func:`shardc.ir.engines.
-    dtensor_runs_split`), when ``DTENSOR_SEARCH_SWEEPS_RESPLITS`` (off: none, ``result`` as
-    it is); the best kept."""
-    from shardc.ir.engines import split_spaces
+                      seed: int, seeds: list | None = None) -> SearchResult:
+    """``result`` (the search at the default experts split) against the experts re-splits
+    the DTensor backend runs (:func:`shardc.ir.engines.dtensor_runs_split`), the best kept
+    (ties: ``result``): with ``DTENSOR_SEARCH_SWEEPS_RESPLITS``, the same search in every
+    re-split copy of ``space``; else (the default) ``result``'s best rows and ``seeds`` (the
+    baselines' bests) re-priced at every re-split and the best polished there
+    (:func:`shardc.search.resplit.reprice_at_splits`, a few hundred evaluations)."""
+    from shardc.ir.engines import DTENSOR_SEARCH_SWEEPS_RESPLITS, split_spaces
+    from shardc.search.resplit import reprice_at_splits
 
+    if not DTENSOR_SEARCH_SWEEPS_RESPLITS:
+        rows = list(result.extra.get("top_rows", [])) + [result.best_action] + list(seeds or [])
+        r = reprice_at_splits(space, cost_model, rows, seed=seed)
+        if r is None:
+            return result
+        result.evaluations += int(r.evaluations)
+        if r.best_action is not None and (result.best_action is None
+                                          or r.best_value > result.best_value):
+            r.evaluations, r.curve, r.policy = result.evaluations, result.curve, result.policy
+            r.wall_s, r.extra = result.wall_s, result.extra
+            result = r
+        return result
     for sp in split_spaces(space, "dtensor")[1:]:
         r = run_search(policy, sp, cost_model_objective(cost_model, sp), budget=budget,
                        seed=seed)
@@ -141,7 +156,10 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
         result = runnable[policy]
     else:
         result = run_search(policy, space, objective, budget=budget, seed=seed, progress=progress)
-        result = _dtensor_resplits(policy, space, cost_model, result, budget, seed)
+        if policy not in SWEEPS:  # exact's certificate is of the default split's space
+            result = _dtensor_resplits(
+                policy, space, cost_model, result, budget, seed,
+                seeds=[b.best_action for b in (*runnable.values(), *baselines.values())])
     searched = result
     chosen_from = policy
     # Never hand back a plan worse than a baseline computed in the same run (a baseline

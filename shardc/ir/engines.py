@@ -177,17 +177,19 @@ def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,
     return engine == "sglang"
 
 
-def searched_splits(space: StrategySpace, runtime: str) -> list[int]:
+def searched_splits(space: StrategySpace, runtime: str, sweep_dtensor: bool = False
+                    ) -> list[int]:
     """The ``moe_tp`` values (ascending) whose fixed-split copies of ``space``
     (:func:`shardc.ir.space.with_experts_split`) hold some experts split other than (tp, ep)
     that ``runtime`` runs (:func:`experts_split_ok`; ``"any"``: some engine runs it) and
     plan.json places (:func:`plan_places_split`: all-TP or all-EP) at a
     (tp, ep) pair of ``space``: the splits a search sweeps as an outer loop besides
     ``space`` itself. Empty for a dense model, a space whose user fixed the split or sp on,
-    and ``"dtensor"`` unless :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`."""
+    and ``"dtensor"`` unless :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS` or ``sweep_dtensor`` (the
+    re-pricing of the dtensor search's best rows, :mod:`shardc.search.resplit`)."""
     if (not int(space.graph.config.get("num_experts", 0) or 0) or "moe_tp" in space.fixed
             or "moe_ep" in space.fixed or 0 not in space.values["sp"]
-            or (runtime == "dtensor" and not DTENSOR_SEARCH_SWEEPS_RESPLITS)):
+            or (runtime == "dtensor" and not (DTENSOR_SEARCH_SWEEPS_RESPLITS or sweep_dtensor))):
         return []
     runtimes = ENGINES if runtime == "any" else (runtime,)
     dense, world = has_dense_mlp(space), space.mesh.gpus
@@ -211,14 +213,16 @@ def searched_splits(space: StrategySpace, runtime: str) -> list[int]:
     return sorted(out)
 
 
-def split_spaces(space: StrategySpace, runtime: str) -> list[StrategySpace]:
-    """``space`` then its fixed-split copies for :func:`searched_splits` (``runtime``), each
+def split_spaces(space: StrategySpace, runtime: str, sweep_dtensor: bool = False
+                 ) -> list[StrategySpace]:
+    """``space`` then its fixed-split copies for :func:`searched_splits` (``runtime``,
+    ``sweep_dtensor``), each
     holding only the (tp, ep) pairs whose split differs from (tp, ep) (``space`` has those)
     and is one plan.json places (:func:`plan_places_split`)."""
     from shardc.ir.space import with_experts_split
 
     out = [space]
-    for mt in searched_splits(space, runtime):
+    for mt in searched_splits(space, runtime, sweep_dtensor):
         sp = with_experts_split(space, mt)
         pairs = []
         for tp in sp.values["tp"]:

@@ -85,6 +85,7 @@ from shardc.search.policy import EliteHistory, ElitePolicy, masked_log_probs, sa
 from shardc.search.polish import Archive, RowPolisher
 
 BATCH = DEGREE_COMPONENTS.index("batch")
+TOP_ROWS = 8  # degree rows handed back in ``extra["top_rows"]``
 
 
 @dataclass
@@ -151,25 +152,39 @@ def risk_seeking_advantage(rewards: np.ndarray, quantile: float) -> np.ndarray:
 def search_rl(sampler: LegalSampler, budget: Budget, rng: np.random.Generator, seed: int,
               cfg: RLConfig | None = None) -> dict:
     """Spend ``budget`` with the agent (deterministic given ``seed`` and ``rng``); returns
-    ``{"network_lives": n}`` (chunks run, each with a freshly initialised network)."""
+    ``{"network_lives": n, "top_rows": [A] actions}`` (chunks run, each with a freshly
+    initialised network; the best action of each of the :data:`TOP_ROWS` best degree rows
+    seen, best first: what :mod:`shardc.search.resplit` re-prices at the experts re-splits)."""
     cfg = cfg or RLConfig()
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     lives = [0]
+    archives: list[Archive] = []
     try:
-        _run(sampler, budget, rng, seed, cfg, lives)
+        _run(sampler, budget, rng, seed, cfg, lives, archives)
     except BudgetExhausted:
         pass
     finally:
         torch.set_num_threads(prev_threads)
-    return {"network_lives": lives[0]}
+    return {"network_lives": lives[0], "top_rows": top_rows(archives[0]) if archives else []}
 
 
-def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, lives) -> None:
+def top_rows(archive: Archive, k: int | None = None) -> list[np.ndarray]:
+    """The best action of each of the ``k`` (:data:`TOP_ROWS`) best degree rows of
+    ``archive``, best first (ties: row order, so deterministic)."""
+    rows = sorted(archive.rows.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return [a.copy() for _, (_, a) in rows[:TOP_ROWS if k is None else k]]
+
+
+def _run(sampler: LegalSampler, budget: Budget, rng, seed: int, cfg: RLConfig, lives,
+         archives: list) -> None:
     history = EliteHistory(sampler.n_comp, cfg.history)
     free_at_tp1 = getattr(budget.objective, "op_choices_free_at_tp1", False)
-    archive = Archive(sampler.space) if cfg.polish_frac > 0 else None
+    archive = Archive(sampler.space)
+    archives.append(archive)
+    if cfg.polish_frac <= 0:
+        archive = None
     total = budget.remaining
     agent = total - int(cfg.polish_frac * total)
     _agent(sampler, budget, rng, seed, cfg, lives, history, agent, archive)
