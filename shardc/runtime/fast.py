@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardc.runtime.apply import batch_mesh
+from shardc.runtime.dbrx_local import clip_of, dbrx_block_parts, is_dbrx_block
 from shardc.runtime.gathered_experts import GatheredExpertsLocal
 from shardc.runtime.gpt_moe_local import is_gpt_moe, rotary_tables
 from shardc.runtime.kv_cache import KVCache, positions, visible
@@ -108,6 +109,8 @@ class Attention:
         self.d = int(attn.head_dim)
         self.hq = int(getattr(cfg, "num_attention_heads", None) or cfg.num_heads)  # GPT-MoE's
         self.hkv = int(getattr(cfg, "num_key_value_heads", None) or self.hq)
+        if hasattr(attn, "Wqkv"):  # DBRX: its heads on the attention module
+            self.hq, self.hkv = int(attn.num_heads), int(attn.num_key_value_heads)
         self.split = core == "heads" and tp.size > 1
         n = tp.size if self.split else 1
         if self.hkv % n and n % self.hkv:
@@ -122,9 +125,10 @@ class Attention:
         if hasattr(attn, "c_attn"):  # GPT-2: packed q|k|v Conv1D weights [in, out]
             self.wqkv, self.bqkv = [_local(attn.c_attn.weight).t()], [_local(attn.c_attn.bias)]
             self.wo, self.bo = _local(attn.c_proj.weight).t(), attn.c_proj.bias
-        elif hasattr(attn, "qkv") or hasattr(attn, "qkv_proj"):  # one packed q|k|v linear
-            qkv = attn.qkv if hasattr(attn, "qkv") else attn.qkv_proj  # GPT-MoE's, Phi-3's
-            out = attn.out if hasattr(attn, "out") else attn.o_proj
+        elif any(hasattr(attn, a) for a in ("qkv", "qkv_proj", "Wqkv")):  # packed q|k|v
+            qkv = next(getattr(attn, a) for a in ("qkv", "qkv_proj", "Wqkv")  # GPT-MoE's,
+                       if hasattr(attn, a))  # Phi-3's, DBRX's
+            out = next(getattr(attn, a) for a in ("out", "o_proj", "out_proj") if hasattr(attn, a))
             self.wqkv, self.bqkv = [_local(qkv.weight)], [_local(qkv.bias)]
             self.wo, self.bo = _local(out.weight), out.bias
         else:
@@ -141,6 +145,7 @@ class Attention:
         self.window = _window(cfg, attn, i)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.interleave = _rope_interleaved(attn, self.d)
+        self.clip = clip_of(attn)  # DBRX: q|k|v clamped, on whole values (after the repair)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
         cache.add_heads(self.i, held_rows(rows, self.core_need, self.tp), self.hkv_local,
@@ -155,6 +160,8 @@ class Attention:
         if self.kv_rep > 1 and steps_w[0][3] != "S(1)":  # whole k / v: repeat the KV heads
             y, parts = repeat_kv_heads(y, parts, self.d, self.kv_rep)
         y = repair(y, steps_w[0][3], self.core_need, tp, parts)
+        if self.clip is not None:
+            y = y.clamp(min=-self.clip, max=self.clip)
         n = tp.size if self.split else 1
         hq, hkv, d = self.hq // n, self.hkv_local, self.d
         r, s = y.shape[0], y.shape[1]
@@ -189,7 +196,10 @@ class Layer:
     """One decoder layer: norms (replicated), attention and the MLP / MoE branches."""
 
     def __init__(self, layer, kind_walk: dict, tp: Group, ep: Group, cfg, i: int):
-        if hasattr(layer, "ln_1"):  # GPT-2's block: ln_1, attn, ln_2, mlp
+        if is_dbrx_block(layer):  # DBRX: norm_attn_norm (norm_1, attn, norm_2), ffn
+            attn, self.ln1, self.ln2, _ = dbrx_block_parts(layer)
+            names = {"norm_attn_norm", "ffn"}
+        elif hasattr(layer, "ln_1"):  # GPT-2's block: ln_1, attn, ln_2, mlp
             attn, self.ln1, self.ln2 = layer.attn, layer.ln_1, layer.ln_2
             names = {"attn", "ln_1", "ln_2", "mlp"}
         elif hasattr(layer, "ln_attn"):  # GPT-MoE's block: ln_attn, attn, ln_moe, moe
@@ -201,7 +211,7 @@ class Layer:
             names = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm",
                      "block_sparse_moe"}
-        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "qkv", "qkv_proj",
+        if not any(hasattr(attn, a) for a in ("q_proj", "c_attn", "qkv", "qkv_proj", "Wqkv",
                                                "kv_a_proj_with_mqa")):
             raise NotImplementedError(f"attention module {type(attn).__name__}")
         walk = kind_walk["attention"]
@@ -227,7 +237,7 @@ class Layer:
                  if not isinstance(m, torch.nn.Dropout)} - names
         if extra:
             raise NotImplementedError(f"decoder-layer modules {sorted(extra)}")
-        mlp = next(getattr(layer, a) for a in ("mlp", "moe", "block_sparse_moe")  # GPT-MoE's,
+        mlp = next(getattr(layer, a) for a in ("mlp", "moe", "block_sparse_moe", "ffn")  # GPT-MoE's,
                    if hasattr(layer, a))  # Granite-MoE's
         experts = GatheredExpertsLocal if "gather" in kind_walk.get("experts", {}) \
             else ExpertsLocal  # the experts split their own way: the all-gather dispatch
@@ -289,14 +299,16 @@ class FastModel:
         # branch and reduce-scatter after it are the plan's
         self.residual = walks.get("residual", "R")
         self.walks = walks
-        gpt2 = hasattr(model, "transformer")  # GPT-2: transformer.{wte, wpe, h, ln_f}
-        inner = model.transformer if gpt2 else model if plain else model.model
+        # DBRX: transformer.{wte, blocks, norm_f, rotary_emb}
+        dbrx = hasattr(getattr(model, "transformer", None), "blocks")
+        gpt2 = hasattr(model, "transformer") and not dbrx  # GPT-2: transformer.{wte, wpe, h, ln_f}
+        inner = model.transformer if gpt2 or dbrx else model if plain else model.model
         inner = getattr(inner, "language_model", inner)  # a multimodal model's text model
         kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
-        layers = inner.h if gpt2 else inner.layers
+        layers = inner.h if gpt2 else inner.blocks if dbrx else inner.layers
         self.layers = {i: Layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
                        for i in range(len(layers)) if any(True for _ in layers[i].parameters())}
-        embed = inner.wte if gpt2 else inner.embed if plain else inner.embed_tokens
+        embed = inner.wte if gpt2 or dbrx else inner.embed if plain else inner.embed_tokens
         # a pipeline stage's dropped embedding / lm_head: None (HF) or a pass-through
         self.first = hasattr(embed, "weight")
         self.last = hasattr(getattr(model, "lm_head", None), "weight")
@@ -311,7 +323,7 @@ class FastModel:
             # Granite's embedding multiplier (a Python float, as HF multiplies by it)
             self.embed_mult = float(getattr(inner, "embedding_multiplier", 1.0) or 1.0)
         if self.last:
-            self.norm = inner.ln_f if gpt2 or plain else inner.norm
+            self.norm = inner.ln_f if gpt2 or plain else inner.norm_f if dbrx else inner.norm
             self.head = _local(model.lm_head.weight)
             self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from shardc.runtime.dbrx_local import dbrx_routing, fused_expert_weights, is_fused_experts
 from shardc.runtime.gpt_moe_local import (
     check_activation,
     expert_weights,
@@ -93,7 +94,7 @@ class RouterLocal:
     (:func:`shardc.runtime.gpt_moe_local.top_k_routing`).
     ``__call__(x [T, h], residual) -> (logits, top_k_weights [T, k], top_k_index [T, k])``."""
 
-    def __init__(self, router, walk: dict, tp: Group, top_k: int | None = None):
+    def __init__(self, router, walk: dict, tp: Group, top_k: int | None = None, routing=None):
         (_, self.choice, self.need, self.produced), = walk["steps"]
         self.end, self.tp, self.module = walk["end"], tp, router
         self.weight = router.weight
@@ -101,6 +102,7 @@ class RouterLocal:
         self.residual = "R"
         self.plain = is_plain_router(router)
         self.top_k = top_k
+        self.routing = routing  # DBRX: its block's routing of the whole scores
 
     def scores(self, x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
         """The whole scores ``[T, E]`` of ``x [T, h]`` (whole) over shard ``w``; ``bias``
@@ -122,7 +124,7 @@ class RouterLocal:
             bias = self.module.bias
             logits = F.linear(x, self.local, _local(bias)) if self.choice == "rep" \
                 else self.scores(x, self.local, bias)
-            return top_k_routing(logits, self.top_k)
+            return self.routing(logits) if self.routing else top_k_routing(logits, self.top_k)
         if self.choice == "rep":
             return self.module(x)
         self.residual = residual
@@ -163,17 +165,24 @@ class ExpertsLocal:
         (_, _, self.need1, self.prod1), (_, _, self.need2, self.prod2) = steps
         self.src = "S(0)" if self.token_rows and not self.gather_rows else "R"
         self.walk, self.tp, self.ep = walk, tp, ep
-        self.router = RouterLocal(_router_of(mlp), walk["router"], tp, getattr(mlp, "top_k", None))
         experts = mlp.experts
+        router = _router_of(mlp)
+        fused = is_fused_experts(experts)  # DBRX: the router's scores linear is its ``layer``
+        self.router = RouterLocal(router.layer if fused else router, walk["router"], tp,
+                                  getattr(mlp, "top_k", None), dbrx_routing(mlp) if fused else None)
         if hasattr(experts, "w_in"):  # GPT-MoE: [E, in, out] weights, a GeLU between them
             check_activation(experts)
             self.gate_up, self.down, self.act, self.gated = expert_weights(experts)
+        elif fused:
+            self.gate_up, self.down, self.act, f = fused_expert_weights(experts)
+            self.gated = True
         else:
             self.gate_up, self.down = _local(experts.gate_up_proj), _local(experts.down_proj)
             self.act, self.gated = experts.act_fn, True
         self.num_experts = int(self.router.weight.shape[0])
         self.local_experts = self.gate_up.shape[0]
-        f = int(experts.down_proj.shape[-1]) if self.gated else None  # the intermediate width
+        if not fused:  # the intermediate width
+            f = int(experts.down_proj.shape[-1]) if self.gated else None
         # the packed gate|up widths the repairs keep (S(1): [g_r | u_r]); a row/row gate_up
         # was placed with its outputs in rank order, so its partial sums scatter as they are
         self.parts = None if (c1, c2) == ("row", "row") or not self.gated else (f, f)

@@ -1,0 +1,65 @@
+"""DBRX's layout for the fast runtime (torch only): the decoder block ``transformer.blocks[i]``
+holds ``norm_attn_norm`` (``norm_1``, the attention ``attn`` with a packed ``Wqkv`` whose
+output is clamped to ``[-clip_qkv, clip_qkv]``, ``norm_2``) and ``ffn`` (a ``DbrxRouter``
+whose ``layer`` is the scores linear, the routing in ``DbrxFFN.route_tokens_to_experts``,
+and ``DbrxExperts`` whose weights are stored fused: ``mlp.w1`` gate, ``mlp.v1`` up,
+``mlp.w2`` down, each ``[E * f, h]``, placed as ``[E, f, h]`` views:
+:mod:`shardc.frontends.fused_experts`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def is_dbrx_block(layer) -> bool:
+    """Whether ``layer`` is a DBRX decoder block (``norm_attn_norm`` + ``ffn``)."""
+    return hasattr(layer, "norm_attn_norm") and hasattr(layer, "ffn")
+
+
+def dbrx_block_parts(layer):
+    """``(attention, norm before it, norm after it, ffn)`` of a DBRX block."""
+    nan = layer.norm_attn_norm
+    return nan.attn, nan.norm_1, nan.norm_2, layer.ffn
+
+
+def is_fused_experts(experts) -> bool:
+    """DBRX's ``DbrxExperts`` (its GLU's ``w1`` / ``v1`` / ``w2``)."""
+    glu = getattr(experts, "mlp", None)
+    return glu is not None and all(hasattr(glu, n) for n in ("w1", "v1", "w2"))
+
+
+def fused_expert_weights(experts):
+    """``(gate_up [E_local, 2 f_local, h], down [E_local, h, f_local], act, f)`` of DBRX's
+    experts on this rank: the local shards of ``w1`` / ``v1`` / ``w2`` seen as ``[E_local,
+    f_local, h]`` (placed as such, or a whole ``[E * f, h]`` parameter viewed), the gate and
+    up shards concatenated along the features (one copy of them: this rank's ``[g_r | u_r]``,
+    the packed layout the repairs keep), the down shard read transposed in place; ``f`` is the
+    whole per-expert width (the packed parts' widths)."""
+    glu = experts.mlp
+    f, h = int(experts.ffn_hidden_size), int(experts.hidden_size)
+
+    def view(t):
+        t = _local(t)
+        return t if t.dim() == 3 else t.view(-1, f, h)
+
+    gate_up = torch.cat([view(glu.w1), view(glu.v1)], 1)
+    return gate_up, view(glu.w2).transpose(1, 2), glu.activation_fn, f
+
+
+def dbrx_routing(ffn):
+    """The DBRX block's routing of whole scores ``logits [T, E]`` as its own
+    ``route_tokens_to_experts`` computes it; returns ``(logits, weights [T, k], index)``."""
+    def route(logits: torch.Tensor):
+        weights, idx = ffn.route_tokens_to_experts(logits)
+        return logits, weights, idx
+    return route
+
+
+def clip_of(attn) -> float | None:
+    """DBRX's ``clip_qkv`` (None: no clamp; every other attention has none)."""
+    clip = getattr(attn, "clip_qkv", None)
+    return None if clip is None else float(clip)
