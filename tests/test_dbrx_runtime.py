@@ -128,3 +128,82 @@ def test_dbrx_greedy_generate_equals_unsharded(name):
         res = res[0]
         assert "error" not in res, f"rank {r}: {res.get('error')}"
         assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
+
+
+# parallelize.py cases: the plan's own file places DBRX (ep over whole experts, Shard(0) of
+# the [E, f, h] view; col/row: each expert's f rows over tp; Wqkv col with its heads) and its
+# ``generate`` runs the fast runtime; tokens and logits against the unsharded model
+# (test_fast_runtime_moe's worker). name -> (degrees, choices other than Megatron's)
+PLAN_CASES = {
+    "plan ep2 tp2 megatron": ({"ep": 2, "tp": 2}, {}),
+    "plan ep4 experts": ({"ep": 4}, {}),
+    "plan ep2 tp2 experts rep/rep, qkv row": ({"ep": 2, "tp": 2}, {
+        "expert_ffn1": "rep", "expert_ffn2": "rep", "qkv": "row", "router": "col"}),
+}
+MODEL = '''"""tiny DBRX, clip_qkv set to bite (tests/test_dbrx_runtime.py)."""
+import sys
+
+sys.path.insert(0, {tests!r})
+from test_dbrx_runtime import _model  # noqa: E402
+from shardc.frontends.hf_build import token_ids  # noqa: E402
+
+
+def build_model():
+    return _model()
+
+
+def example_inputs():
+    return token_ids(256)
+
+
+tiny_model = build_model
+tiny_inputs = example_inputs
+'''
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> str:
+    from pathlib import Path
+
+    path = tmp_path_factory.mktemp("dbrx") / "tiny_dbrx.py"
+    path.write_text(MODEL.format(tests=str(Path(__file__).resolve().parent)))
+    return str(path)
+
+
+def _choices(model_file: str, override: dict) -> dict:
+    from test_fast_runtime_moe import MEGATRON
+
+    from shardc.frontends import load_graph
+    from shardc.ir.contract import CHOICE_NAMES
+
+    graph = load_graph(model_file, tiny=True)
+    out = {"embedding": "vocab", "lm_head": "col"}
+    for k in graph.layer_kinds:
+        for op in k.ops:
+            if op.name in CHOICE_NAMES:
+                out[f"{k.name}.{op.name}"] = override.get(op.name, MEGATRON[op.name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(model_file) -> dict:
+    from test_fast_runtime import plan_payload
+    from test_fast_runtime_moe import _worker as plan_worker
+
+    from shardc.testing.launch import launch
+
+    payloads = [plan_payload(model_file, deg, _choices(model_file, over))
+                for deg, over in PLAN_CASES.values()]
+    per_rank = launch(plan_worker, 4, (payloads,), 900, ("torch", "transformers",
+                                                         "shardc.runtime.fast"))
+    return {n: [r[i] for r in per_rank] for i, n in enumerate(PLAN_CASES)}
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_dbrx_plan_generate_equals_unsharded(launched, name):
+    from test_fast_runtime_moe import TOL
+
+    for r, res in enumerate(launched[name]):
+        assert "error" not in res, f"rank {r}: {res.get('error')}"
+        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
+        assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"

@@ -63,6 +63,8 @@ class MoESite:
     # shared_ffn1 / shared_ffn2, run on the same (normed) residual as the router
     shared: tuple | None = None
     routing: str | None = "softmax_topk"  # see routing_kind()
+    # DBRX: the experts' weights stored fused on ``experts.mlp`` (w1, v1, w2: [E * f, h])
+    fused: tuple[str, ...] = ()
 
 
 @dataclass
@@ -306,7 +308,58 @@ class GPT2LMHead:
 
 
 
-ADAPTERS = (HFCausalLM, GPTMoEModel, GPT2LMHead)
+class DbrxLM:
+    """transformers' DBRX (``transformer.blocks[i]``: ``norm_attn_norm.{norm_1, attn.{Wqkv,
+    out_proj}, norm_2}`` -- packed q|k|v clamped to ``clip_qkv`` -- and ``ffn.{router.layer,
+    experts.mlp.{w1, v1, w2}}``, its experts stored fused ``[E * f, h]``: placed as ``[E, f,
+    h]`` views, :mod:`shardc.frontends.fused_experts`; its routing softmax top-k p-norm)."""
+
+    family = "hf"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner = model.transformer
+        self.config = model.config
+
+    @staticmethod
+    def accepts(model: nn.Module) -> bool:
+        inner = getattr(model, "transformer", None)
+        return (hasattr(model, "lm_head") and hasattr(inner, "blocks") and hasattr(inner, "wte")
+                and hasattr(inner.blocks[0], "norm_attn_norm")
+                and hasattr(inner.blocks[0].norm_attn_norm.attn, "Wqkv"))
+
+    @property
+    def embedding(self):
+        return self.inner.wte, "transformer.wte"
+
+    @property
+    def final_norm(self):
+        return self.inner.norm_f, "transformer.norm_f"
+
+    @property
+    def lm_head(self):
+        return self.model.lm_head, "lm_head"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.blocks)
+
+    def layer(self, i: int) -> LayerSites:
+        lay, pre = self.inner.blocks[i], f"transformer.blocks.{i}"
+        nan, ap = lay.norm_attn_norm, f"{pre}.norm_attn_norm"
+        a = nan.attn
+        att = AttentionSite(a, [(a.Wqkv, f"{ap}.attn.Wqkv")], (a.out_proj, f"{ap}.attn.out_proj"),
+                            3, int(a.num_heads), int(a.num_key_value_heads))
+        norms = [(nan.norm_1, f"{ap}.norm_1"), (nan.norm_2, f"{ap}.norm_2")]
+        ffn, ex = lay.ffn, lay.ffn.experts
+        moe = MoESite(ffn, f"{pre}.ffn", (ffn.router.layer, f"{pre}.ffn.router.layer"), ex.mlp,
+                      "w1", "w2", True, True, ex.mlp.activation_fn, int(ffn.top_k),
+                      int(ex.num_experts), routing="softmax_topk_pnorm",
+                      fused=("w1", "v1", "w2"))
+        return LayerSites(i, lay, pre, att, norms, moe=moe)
+
+
+ADAPTERS = (HFCausalLM, GPTMoEModel, GPT2LMHead, DbrxLM)
 
 
 def adapter_for(model: nn.Module):
@@ -315,7 +368,7 @@ def adapter_for(model: nn.Module):
             return cls(model)
     raise InputError(f"the DTensor backend does not know the layout of {type(model).__name__} "
                      "(supported: HF Llama-style causal LMs incl. Mixtral-style MoE, "
-                     "DeepSeek-V2/V3 MLA + shared experts, GPT-2, shardc GPT-MoE)")
+                     "DeepSeek-V2/V3 MLA + shared experts, GPT-2, shardc GPT-MoE, DBRX)")
 
 
 def default_layer_kinds(model: nn.Module) -> dict[int, str]:

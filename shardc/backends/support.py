@@ -91,7 +91,10 @@ def _owned(ad) -> tuple[set[str], str | None]:
         if site.moe is not None:
             moe = site.moe
             owned |= _params_of(moe.router[0], moe.router[1], ["weight"])
-            owned |= _params_of(moe.experts, f"{moe.prefix}.experts", [moe.w1, moe.w2])
+            if moe.fused:  # DBRX: experts.mlp.{w1, v1, w2}
+                owned |= _params_of(moe.experts, f"{moe.prefix}.experts.mlp", moe.fused)
+            else:
+                owned |= _params_of(moe.experts, f"{moe.prefix}.experts", [moe.w1, moe.w2])
             if moe.shared is not None:
                 ffn1, ffn2, _ = moe.shared
                 for mod, pre in ffn1 + [ffn2]:
@@ -106,6 +109,8 @@ def _moe_problem(moe, ad) -> str | None:
     if moe.routing is None:
         return (f"router {type(moe.router[0]).__name__}: routing the backend does not "
                 "implement (softmax top-k, DeepSeek-V2 / V3, sparsemixer)")
+    if moe.fused:  # DBRX: [E * f, h] each, placed as [E, f, h] views
+        return None
     w1 = getattr(moe.experts, moe.w1)
     hidden = int(ad.embedding[0].weight.shape[-1])
     in_dim = w1.shape[-1] if moe.transposed else w1.shape[1]
@@ -123,10 +128,6 @@ def backend_problem(model: nn.Module) -> str | None:
     recurrent = stateful_layers(model)
     if recurrent:
         return recurrent_problem(sorted(set(recurrent.values())))
-    fused = fused_experts_problem(model)
-    if fused:
-        return fused
-
     try:
         ad = adapter_for(model)
     except InputError as e:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardc.backends.emit_text import _literal
+from shardc.backends.fused_styles import fused_experts_entry
 from shardc.backends.gathered_styles import gathered_entry
 from shardc.backends.style_entry import Entry, NotCovered
 from shardc.ir.contract import BRANCHES, CHOICE_NAMES, redistribution, walk
@@ -315,6 +316,8 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
                                     if m not in lm.ops["expert_ffn1"]]
     first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
     second = [(n, r) for _, n, r in lm.params_of("expert_ffn2") if len(r["shape"]) == 3]
+    if len(mods) == 1 and len(first) == 2 and len(second) == 1:
+        return fused_experts_entry(kind, mods[0], first + second, (f1, f2), deg, res)
     if len(mods) != 1 or len(first) != 1 or len(second) != 1 or \
             len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != 2:
         raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul, "

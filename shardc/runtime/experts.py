@@ -55,8 +55,11 @@ class ExpertParallel(ParallelStyle):
     and each rank keeps its own rows of the whole output (:func:`_chain_tp_rows`)."""
 
     def __init__(self, *, tp_split: bool = True, weights=None, token_rows: bool = False,
-                 chain=None, in_out: bool = False):
+                 chain=None, in_out: bool = False, fused=None):
         super().__init__()
+        # experts stored fused (DBRX): (the GLU submodule holding the weights, f, h); each
+        # [E * f, h] weight placed as its [E, f, h] view, computed by the GLU per expert
+        self.fused = tuple(fused) if fused else None
         self.tp_split, self.token_rows = tp_split, token_rows
         self.weights = dict(weights or HF_EXPERTS)
         self.chain = tuple(chain) if chain else None
@@ -67,12 +70,18 @@ class ExpertParallel(ParallelStyle):
         tp = device_mesh.size(names.index("tp")) if "tp" in names else 1
         split = self.tp_split and tp > 1
         forward_local = module.forward  # the model's own expert maths
+        owner = module
+        if self.fused:
+            owner = getattr(module, self.fused[0])
+            forward_local = _fused_forward(owner, tuple(self.weights))
 
         def partition(_name, mod, mesh):
-            if mod is not module:
+            if mod is not owner:
                 return
             for i, (name, (tp_dim, parts)) in enumerate(self.weights.items()):
                 full = getattr(mod, name).detach()
+                if self.fused:  # [E * f, h] -> [E, f, h]: whole experts, each one's f rows
+                    full = full.view(-1, *self.fused[1:])
                 cut = split and tp_dim is not None
                 # packed gate|up interleaved per rank where a rank's slice of the output
                 # features is activated on its own (col; row whose output is reduce-scattered)
@@ -105,14 +114,17 @@ class ExpertParallel(ParallelStyle):
             if self.chain is not None and split:
                 return chain(rows, sizes)
             if rows_group is not None:
-                return _run_tp_rows(module, forward_local, tuple(self.weights), rows, sizes,
+                return _run_tp_rows(owner, forward_local, tuple(self.weights), rows, sizes,
                                     rows_group)
-            return _run_local(module, forward_local, tuple(self.weights), rows, sizes, None)
+            return _run_local(owner, forward_local, tuple(self.weights), rows, sizes, None)
 
         def forward(hidden, top_k_index, top_k_weights):
-            return _dispatch_compute_combine(run, hidden, top_k_index, top_k_weights,
-                                             int(getattr(module, next(iter(self.weights))).shape[0]),
-                                             ep_group, reduce_group)
+            shape = hidden.shape  # DBRX's experts read [batch, seq, h]
+            out = _dispatch_compute_combine(run, hidden.reshape(-1, shape[-1]), top_k_index,
+                                            top_k_weights,
+                                            int(getattr(owner, next(iter(self.weights))).shape[0]),
+                                            ep_group, reduce_group)
+            return out.view(shape)
 
         module.forward = forward
         return module
@@ -162,6 +174,24 @@ def _dispatch_compute_combine(run, x, idx, weights, num_experts: int, ep_group,
     if reduce_group is not None:  # tp partial sums reduced once per token, after the top-k sum
         dist.all_reduce(out, group=reduce_group)
     return out
+
+
+def _fused_forward(glu: nn.Module, names: tuple[str, ...]):
+    """Experts stored fused (DBRX's GLU: gate, up, down ``[E_local, f, h]`` local shards)
+    as ``forward(rows [N, h], local expert [N, 1], weights [N, 1]) -> [N, h]``: each local
+    expert's rows through the GLU's own forward on its weights."""
+    def forward(rows, idx, weights):
+        if rows.is_meta:  # shapes only (a fake process group)
+            return rows.new_empty(rows.shape)
+        w1, v1, w2 = (getattr(glu, n) for n in names)
+        out = rows.new_zeros(rows.shape)
+        ids = idx[:, 0]
+        for e in range(w1.shape[0]):
+            hit = (ids == e).nonzero().flatten()
+            if hit.numel():
+                out[hit] = glu(rows[hit], w1[e], v1[e], w2[e]) * weights[hit]
+        return out
+    return forward
 
 
 def _run_tp_rows(module, forward_local, names, rows: torch.Tensor, sizes: list[int],

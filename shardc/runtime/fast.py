@@ -109,8 +109,9 @@ class Attention:
         self.d = int(attn.head_dim)
         self.hq = int(getattr(cfg, "num_attention_heads", None) or cfg.num_heads)  # GPT-MoE's
         self.hkv = int(getattr(cfg, "num_key_value_heads", None) or self.hq)
-        if hasattr(attn, "Wqkv"):  # DBRX: its heads on the attention module
-            self.hq, self.hkv = int(attn.num_heads), int(attn.num_key_value_heads)
+        if hasattr(attn, "Wqkv"):  # DBRX: n_heads, attn_config.kv_n_heads (the module's own
+            # counts are this rank's share once HeadParallelAttention has placed it)
+            self.hq, self.hkv = int(cfg.n_heads), int(cfg.attn_config.kv_n_heads)
         self.split = core == "heads" and tp.size > 1
         n = tp.size if self.split else 1
         if self.hkv % n and n % self.hkv:

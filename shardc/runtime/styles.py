@@ -359,7 +359,9 @@ class HeadParallelAttention(PrepareHiddenStates):
         if self.src is not None:
             super()._apply(module, device_mesh)
         n = device_mesh.size()
-        for name in HEAD_SIZES:
+        # DBRX slices its packed q|k|v at hidden_size (its query width)
+        names = HEAD_SIZES + (("hidden_size",) if hasattr(module, "Wqkv") else ())
+        for name in names:
             value = getattr(module, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 if value % n:
