@@ -229,10 +229,15 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                           allow_cross_node_tp=bool(allow_cross_node_tp),
                           serve_search=serve_search)
         if verdict:
-            from shardc.backends.support import plan_verdict, torch_style_verdict
+            from shardc.backends.support import (
+                fused_experts_verdict,
+                plan_verdict,
+                torch_style_verdict,
+            )
 
             verdict = torch_style_verdict(verdict, list(out.pool_plans.values()), graph)
             verdict = plan_verdict(verdict, [p.strategy() for p in out.pool_plans.values()])
+            verdict = fused_experts_verdict(verdict, list(out.pool_plans.values()))
         for pool_plan in out.pool_plans.values():
             pool_plan.backend = dict(verdict)
             if checkpoint:
@@ -274,10 +279,15 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                       fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
                       allow_cross_node_tp=bool(allow_cross_node_tp))
     if verdict:
-        from shardc.backends.support import plan_verdict, torch_style_verdict
+        from shardc.backends.support import (
+            fused_experts_verdict,
+            plan_verdict,
+            torch_style_verdict,
+        )
 
         verdict = torch_style_verdict(verdict, [plan], outcome.graph)
         verdict = plan_verdict(verdict, [outcome.strategy])
+        verdict = fused_experts_verdict(verdict, [plan])
     plan.backend = dict(verdict)
     if checkpoint:
         plan.model["checkpoint"] = dict(checkpoint)

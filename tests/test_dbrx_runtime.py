@@ -4,10 +4,10 @@
 (``mlp.w1`` / ``v1`` / ``w2``, ``[E * f, h]`` each, read as ``[E, f, h]``) on 4 gloo ranks,
 ep 2 x tp 2 with the experts col/row (each expert's ``f`` rows cut over tp) and on 1 rank.
 
-``parallelize.py`` does not place DBRX yet (plan.json ``backend.runs`` is false: the support
-gate), so the test places the expert weights itself as the plan's params rows say --
+The runtime-only cases place the expert weights in the test as the plan's params rows say --
 ``[E, f, h]`` views, ``Shard(0)`` over ep, ``Shard(1)`` over tp -- and the rest whole; the
-runtime's greedy tokens must equal the unsharded HF model's (full recompute per token).
+plan cases (below) run the plan's own ``parallelize.py`` and ``generate``. The runtime's
+greedy tokens must equal the unsharded HF model's (full recompute per token).
 """
 
 from __future__ import annotations
@@ -207,3 +207,26 @@ def test_dbrx_plan_generate_equals_unsharded(launched, name):
         assert "error" not in res, f"rank {r}: {res.get('error')}"
         assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
         assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
+
+
+@pytest.mark.parametrize("pair, runs", [(("col", "row"), True), (("rep", "rep"), True),
+                                        (("col", "col"), False), (("row", "col"), False)])
+def test_fused_experts_verdict_per_plan(model_file, pair, runs):
+    """Plans whose experts pair parallelize.py does not place for fused experts (other than
+    col/row, rep/rep over tp) get backend runs False naming the pair, not an emission error;
+    the others run."""
+    from shardc.backends.support import fused_experts_verdict
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
+    from shardc.plan import build_plan
+
+    graph = load_graph(model_file, tiny=True)
+    choices = _choices(model_file, {"expert_ffn1": pair[0], "expert_ffn2": pair[1]})
+    strategy = strategy_from_names({"ep": 2, "tp": 2}, choices, 4)
+    plan = build_plan(graph, strategy, Mesh(4, 1), "h100", Workload(batch=4, context=512))
+    got = fused_experts_verdict({"runs": True, "reason": None}, [plan])
+    assert got["runs"] is runs, got
+    if not runs:
+        assert "experts stored fused" in got["reason"] and "/".join(pair) in got["reason"]
+    else:
+        assert "fused=('mlp', " in plan.code()

@@ -1,4 +1,5 @@
-"""DBRX: experts stored fused ([E * f, h] per projection), traced in grouped form.
+"""DBRX: experts stored fused ([E * f, h] per projection), traced in grouped form, planned
+with parallelize.py.
 
 transformers' DbrxExperts loops over the experts the router hit (not exportable); while
 traced, shardc.frontends.fused_experts computes the same function with grouped matmuls over
@@ -82,9 +83,10 @@ def test_dbrx_layers_have_the_expert_ops_of_every_moe(tmp_path):
     assert len(e1.nodes) == 2 and len(e2.nodes) == 1
 
 
-def test_dbrx_plans_with_both_launch_scripts_and_no_parallelize_py(tmp_path, capsys):
+def test_dbrx_plans_with_both_launch_scripts_and_parallelize_py(tmp_path, capsys):
     """The public config (40 layers): ~132B parameters (hand count below), ~36B active per
-    token; plan.json, both engine scripts, the backend gate's reason, no parallelize.py."""
+    token; plan.json, both engine scripts and parallelize.py placing the fused experts as
+    their [E, f, h] views (tests/test_dbrx_runtime.py runs such files)."""
     per_layer_dense = H * (H + 2 * KV) + H * H + H * E + 2 * H  # Wqkv, out_proj, router, norms
     experts = 3 * E * F * H
     total = L * (per_layer_dense + experts) + 2 * V * H + H
@@ -106,11 +108,10 @@ def test_dbrx_plans_with_both_launch_scripts_and_no_parallelize_py(tmp_path, cap
     assert kind["count"] == L
     for name in ("plan.json", "graph.txt", "launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
         assert (out / name).is_file(), name
-    assert not (out / "parallelize.py").exists()
-    assert plan["backend"]["runs"] is False
-    assert "experts stored fused" in plan["backend"]["reason"]
-    assert "DbrxExperts: mlp.w1, mlp.v1, mlp.w2" in plan["backend"]["reason"]
-    assert "no parallelize.py: dbrx: the DTensor backend cannot run this model" in text
+    assert plan["backend"] == {"runs": True, "reason": None}
+    code = (out / "parallelize.py").read_text()
+    assert f"fused=('mlp', {F}, {H})" in code
+    assert "no parallelize.py" not in text
     # weights per GPU: experts over every GPU, the rest by its own split (at most whole)
     mem = plan["predicted"]["breakdown"]["memory"]
     low = 2 * L * experts / 8 / 1e9

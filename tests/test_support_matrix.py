@@ -67,8 +67,9 @@ NOTES = {
     "granite3_0_3b_a800m": "block_sparse_moe layout, embedding / residual / attention / logits "
                            "multipliers; 40 experts, top-8; torch-style runtime",
     "dbrx": "fused experts (one [E * f, h] parameter per projection, traced as grouped "
-            "matmuls over [E, f, h] views: plan.json lists them so); 16 experts, top-4; "
-            "packed Wqkv with clip_qkv; LayerNorm without bias",
+            "matmuls over [E, f, h] views: plan.json lists them so, parallelize.py places them "
+            "so, col/row or rep/rep over tp); 16 experts, top-4; packed Wqkv with clip_qkv; "
+            "LayerNorm without bias",
     "kimi_k2": "model_type kimi_k2 (remote code, never run) built as transformers' "
                "DeepseekV3ForCausalLM; fp8 128x128 block quantization_config (plans in fp8)",
     "qwen3_next_80b_a3b": "3 of 4 layers Gated DeltaNet (op kinds causal_conv + "

@@ -1,7 +1,7 @@
 """The ExpertParallel entry of ``parallelize.py`` for experts stored fused (DBRX's
 ``DbrxExperts``: one ``[E * f, h]`` parameter per projection, :mod:`shardc.frontends.fused_experts`),
 the pairs of choices it runs (:data:`FUSED_PAIRS`; another pair is refused per plan:
-:func:`shardc.backends.support.fused_pair_problem`)."""
+:func:`shardc.backends.support.fused_experts_verdict`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def fused_experts_entry(kind: str, mod: str, rows, pair, deg, res) -> Entry | No
     ``[E * f, h]`` each; the rows list their ``[E, f, h]`` views, gate / up / down): placed
     as those views on the experts module (the GLU's parent), ``Shard(0)`` over ep and the
     ``f`` dim over tp for col/row (each expert's rows cut: a per-expert chunk)."""
-    if pair not in FUSED_PAIRS:
+    if deg.tp > 1 and pair not in FUSED_PAIRS:
         raise NotCovered(f"{kind}: experts stored fused run col/row or rep/rep over tp "
                          f"(not {'/'.join(CHOICE_NAMES[o][c] for o, c in zip(('expert_ffn1', 'expert_ffn2'), pair))})")
     if any(r.get("expert_dim") != 0 or len(r["shape"]) != 3 for _, r in rows) or "." not in mod:

@@ -150,24 +150,35 @@ def recurrent_problem(kinds: list[str]) -> str:
     return f"{RECURRENT_PROBLEM} ({', '.join(kinds)})"
 
 
-FUSED_EXPERTS_PROBLEM = ("it does not run experts stored fused, one [E * f, h] parameter per "
-                         "projection")
+def _has_fused_experts(plan) -> bool:
+    """Whether ``plan``'s params rows list experts stored fused (DBRX: two ``[E, f, h]``
+    views in one layer's ``expert_ffn1``, the gate and the up projection)."""
+    seen: dict = {}
+    for r in plan.params:
+        if r.get("op") == "expert_ffn1" and len(r.get("shape", ())) == 3:
+            seen[r.get("layer")] = seen.get(r.get("layer"), 0) + 1
+    return any(n > 1 for n in seen.values())
 
 
-def fused_experts_problem(model: nn.Module) -> str | None:
-    """The backend's reason for a model whose experts are stored fused (DBRX's
-    ``DbrxExperts``: :mod:`shardc.frontends.fused_experts`), None for any other: its runtimes
-    place stacked ``[E, ., .]`` expert weights, and the model's own expert loop views its
-    parameters by global expert index."""
-    from shardc.frontends.fused_experts import FUSED_EXPERT_CLASSES, fused_expert_modules
+def fused_experts_verdict(verdict: dict, plans) -> dict:
+    """plan.json ``backend`` once the plans are known, for a model whose experts are stored
+    fused (DBRX: :mod:`shardc.backends.fused_styles`): runs False, naming the plan's choice,
+    when ``parallelize.py`` does not place them as some plan of ``plans`` chose (the pairs
+    other than col/row and rep/rep over tp, a re-split of the experts); else ``verdict``."""
+    if not verdict.get("runs", True):
+        return verdict
+    from shardc.backends.torch_styles import NotCovered, style_plan
 
-    mods = fused_expert_modules(model)
-    if not mods:
-        return None
-    cls = type(mods[0]).__name__
-    sub, names = FUSED_EXPERT_CLASSES[cls]
-    return (f"{FUSED_EXPERTS_PROBLEM} ({cls}: {', '.join(f'{sub}.{n}' for n in names)}; "
-            "the runtimes place stacked [E, ., .] expert weights)")
+    for plan in plans:
+        if not _has_fused_experts(plan):
+            continue
+        try:
+            style_plan(plan)
+        except NotCovered as e:
+            name = str((plan.model or {}).get("name") or "the model")
+            return {"runs": False, "reason": f"{name}: the DTensor backend does not run this "
+                    f"plan's experts stored fused ({e})"}
+    return verdict
 
 
 def family_name(model: nn.Module) -> str:
@@ -216,7 +227,7 @@ def torch_style_verdict(verdict: dict, plans, graph) -> dict:
     (:func:`unplaced_by_styles`): the emitted ``parallelize.py`` is then the torch-style one.
     Otherwise ``verdict``, its reason extended with the torch-style path's."""
     if verdict.get("runs", True) or any(p in str(verdict.get("reason"))
-                                        for p in (RECURRENT_PROBLEM, FUSED_EXPERTS_PROBLEM)):
+                                        for p in (RECURRENT_PROBLEM,)):
         return verdict
     from shardc.backends.torch_styles import NotCovered, style_plan
 

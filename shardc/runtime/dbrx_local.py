@@ -8,9 +8,6 @@ and ``DbrxExperts`` whose weights are stored fused: ``mlp.w1`` gate, ``mlp.v1`` 
 
 from __future__ import annotations
 
-import torch
-
-
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -33,12 +30,12 @@ def is_fused_experts(experts) -> bool:
 
 
 def fused_expert_weights(experts):
-    """``(gate_up [E_local, 2 f_local, h], down [E_local, h, f_local], act, f)`` of DBRX's
-    experts on this rank: the local shards of ``w1`` / ``v1`` / ``w2`` seen as ``[E_local,
-    f_local, h]`` (placed as such, or a whole ``[E * f, h]`` parameter viewed), the gate and
-    up shards concatenated along the features (one copy of them: this rank's ``[g_r | u_r]``,
-    the packed layout the repairs keep), the down shard read transposed in place; ``f`` is the
-    whole per-expert width (the packed parts' widths)."""
+    """``((gate, up) [E_local, f_local, h] each, down [E_local, h, f_local], act, f)`` of
+    DBRX's experts on this rank: the local shards of ``w1`` / ``v1`` / ``w2`` seen as
+    ``[E_local, f_local, h]`` (placed as such, or a whole ``[E * f, h]`` parameter viewed;
+    no copy), the down shard read transposed in place; the runtime runs gate and up as two
+    matmuls whose outputs sit side by side (``[g_r | u_r]``, the packed layout the repairs
+    keep); ``f`` is the whole per-expert width (the packed parts' widths)."""
     glu = experts.mlp
     f, h = int(experts.ffn_hidden_size), int(experts.hidden_size)
 
@@ -46,14 +43,13 @@ def fused_expert_weights(experts):
         t = _local(t)
         return t if t.dim() == 3 else t.view(-1, f, h)
 
-    gate_up = torch.cat([view(glu.w1), view(glu.v1)], 1)
-    return gate_up, view(glu.w2).transpose(1, 2), glu.activation_fn, f
+    return (view(glu.w1), view(glu.v1)), view(glu.w2).transpose(1, 2), glu.activation_fn, f
 
 
 def dbrx_routing(ffn):
     """The DBRX block's routing of whole scores ``logits [T, E]`` as its own
     ``route_tokens_to_experts`` computes it; returns ``(logits, weights [T, k], index)``."""
-    def route(logits: torch.Tensor):
+    def route(logits):
         weights, idx = ffn.route_tokens_to_experts(logits)
         return logits, weights, idx
     return route

@@ -149,8 +149,9 @@ def _grouped(rows: torch.Tensor, counts, w: torch.Tensor) -> torch.Tensor:
 class ExpertsLocal:
     """One MoE block's routed experts on this rank: ``gate_up [E_local, 2f or 2f/tp, h or
     h/tp]`` (a ``col`` cut -- and a ``row`` one whose output is reduce-scattered -- holds this
-    rank's gate slice then up slice), ``down [E_local, h or h/tp, f or f/tp]``, as the pair of
-    choices cut them (the module docstring says what moves between them)."""
+    rank's gate slice then up slice; DBRX's fused experts: gate and up ``[E_local, f or f/tp,
+    h]`` apart, :mod:`shardc.runtime.dbrx_local`), ``down [E_local, h or h/tp, f or f/tp]``,
+    as the pair of choices cut them (the module docstring says what moves between them)."""
 
     def __init__(self, mlp, walk: dict, tp: Group, ep: Group):
         ex = walk["experts"]
@@ -180,7 +181,10 @@ class ExpertsLocal:
             self.gate_up, self.down = _local(experts.gate_up_proj), _local(experts.down_proj)
             self.act, self.gated = experts.act_fn, True
         self.num_experts = int(self.router.weight.shape[0])
-        self.local_experts = self.gate_up.shape[0]
+        # the first matmul's weights: one packed gate|up, or DBRX's gate and up apart (no
+        # copy of its shards: two grouped matmuls, their outputs side by side [g_r | u_r])
+        self.first = list(self.gate_up) if isinstance(self.gate_up, tuple) else [self.gate_up]
+        self.local_experts = self.first[0].shape[0]
         if not fused:  # the intermediate width
             f = int(experts.down_proj.shape[-1]) if self.gated else None
         # the packed gate|up widths the repairs keep (S(1): [g_r | u_r]); a row/row gate_up
@@ -192,15 +196,17 @@ class ExpertsLocal:
         # the host-count loop
         self.capture_safe = not ep and not self.gather_rows
         self.static = self.capture_safe and torch.cuda.is_available() and \
-            self.gate_up.is_cuda and self.gate_up.dtype == torch.bfloat16 and all(
-                d % 8 == 0 for d in (*self.gate_up.shape[1:], *self.down.shape[1:]))
+            self.first[0].is_cuda and self.first[0].dtype == torch.bfloat16 and all(
+                d % 8 == 0 for w in (*self.first, self.down) for d in w.shape[1:])
 
     def _run(self, rows: torch.Tensor, counts) -> torch.Tensor:
         """Rows grouped by local expert (``counts`` per expert, or their end offsets on the
         device: :func:`_grouped`) through their experts; the output at the placement the
         combine carries (``P`` or ``R``)."""
         tp = self.tp
-        h = _grouped(repair(rows, self.src, self.need1, tp), counts, self.gate_up)
+        x = repair(rows, self.src, self.need1, tp)
+        h = torch.cat([_grouped(x, counts, w) for w in self.first], -1) \
+            if len(self.first) > 1 else _grouped(x, counts, self.first[0])
         if rows.shape[0] and tp:  # every tp rank holds the same rows: all skip or none
             h = repair(h, self.prod1, self.need2, tp, self.parts)
         if self.gated:
