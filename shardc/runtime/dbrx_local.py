@@ -8,6 +8,7 @@ and ``DbrxExperts`` whose weights are stored fused: ``mlp.w1`` gate, ``mlp.v1`` 
 
 from __future__ import annotations
 
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
