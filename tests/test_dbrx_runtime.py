@@ -137,6 +137,7 @@ def test_dbrx_greedy_generate_equals_unsharded(name):
 PLAN_CASES = {
     "plan ep2 tp2 megatron": ({"ep": 2, "tp": 2}, {}),
     "plan ep4 experts": ({"ep": 4}, {}),
+    "plan ep2 tp2 sp megatron": ({"ep": 2, "tp": 2, "sp": 2}, {}),
     "plan ep2 tp2 experts rep/rep, qkv row": ({"ep": 2, "tp": 2}, {
         "expert_ffn1": "rep", "expert_ffn2": "rep", "qkv": "row", "router": "col"}),
 }
