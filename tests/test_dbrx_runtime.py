@@ -138,6 +138,10 @@ PLAN_CASES = {
     "plan ep2 tp2 megatron": ({"ep": 2, "tp": 2}, {}),
     "plan ep4 experts": ({"ep": 4}, {}),
     "plan ep2 tp2 sp megatron": ({"ep": 2, "tp": 2, "sp": 2}, {}),
+    # the experts re-split (the all-gather dispatch): all-EP, all-TP, mixed
+    "plan tp2 dp_attn2 moe_ep4": ({"tp": 2, "ep": 2, "moe_ep": 4}, {}),
+    "plan tp2 dp_attn2 moe_tp4": ({"tp": 2, "ep": 2, "moe_tp": 4}, {}),
+    "plan dp_attn4 moe_tp2 moe_ep2": ({"ep": 4, "moe_tp": 2}, {}),
     "plan ep2 tp2 experts rep/rep, qkv row": ({"ep": 2, "tp": 2}, {
         "expert_ffn1": "rep", "expert_ffn2": "rep", "qkv": "row", "router": "col"}),
 }
@@ -210,12 +214,16 @@ def test_dbrx_plan_generate_equals_unsharded(launched, name):
         assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
 
 
-@pytest.mark.parametrize("pair, runs", [(("col", "row"), True), (("rep", "rep"), True),
-                                        (("col", "col"), False), (("row", "col"), False)])
-def test_fused_experts_verdict_per_plan(model_file, pair, runs):
+RESPLIT = {"tp": 2, "ep": 2, "moe_ep": 4}
+
+
+@pytest.mark.parametrize("pair, degrees, runs", [
+    (("col", "row"), None, True), (("rep", "rep"), None, True), (("col", "row"), RESPLIT, True),
+    (("col", "col"), None, False), (("row", "col"), None, False), (("rep", "rep"), RESPLIT, False)])
+def test_fused_experts_verdict_per_plan(model_file, pair, degrees, runs):
     """Plans whose experts pair parallelize.py does not place for fused experts (other than
-    col/row, rep/rep over tp) get backend runs False naming the pair, not an emission error;
-    the others run."""
+    col/row, rep/rep over tp; a re-split other than col/row) get backend runs False naming
+    the pair, not an emission error; the others run."""
     from shardc.backends.support import fused_experts_verdict
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Mesh, Workload, strategy_from_names
@@ -223,7 +231,7 @@ def test_fused_experts_verdict_per_plan(model_file, pair, runs):
 
     graph = load_graph(model_file, tiny=True)
     choices = _choices(model_file, {"expert_ffn1": pair[0], "expert_ffn2": pair[1]})
-    strategy = strategy_from_names({"ep": 2, "tp": 2}, choices, 4)
+    strategy = strategy_from_names(degrees or {"ep": 2, "tp": 2}, choices, 4)
     plan = build_plan(graph, strategy, Mesh(4, 1), "h100", Workload(batch=4, context=512))
     got = fused_experts_verdict({"runs": True, "reason": None}, [plan])
     assert got["runs"] is runs, got
@@ -231,3 +239,4 @@ def test_fused_experts_verdict_per_plan(model_file, pair, runs):
         assert "experts stored fused" in got["reason"] and "/".join(pair) in got["reason"]
     else:
         assert "fused=('mlp', " in plan.code()
+        assert ("GatheredExperts(" in plan.code()) == bool(degrees)

@@ -5,7 +5,8 @@
 cost model charges (:func:`shardc.cost.moe_dispatch.gather_exchange`). Covered: all-TP
 (``moe_tp = tp x ep``), all-EP (``moe_ep = tp x ep``) and mixed (both > 1, on the experts
 mesh ``(moe_ep, moe_tp)``) splits of HF stacked experts
-(``[E, out, in]``, one weight per matmul, expert dim 0), column / row experts and a
+(``[E, out, in]``, one weight per matmul, expert dim 0; or DBRX's fused ``[E * f, h]`` ones
+at their ``[E, f, h]`` views), column / row experts and a
 replicated router, shared experts beside them run on the rank's own rows (else
 :class:`~shardc.backends.style_entry.NotCovered`)."""
 
@@ -32,6 +33,8 @@ def gathered_entry(kind: str, lm, choice, deg):
                                     if m not in lm.ops["expert_ffn1"]]
     first = [(n, r) for _, n, r in lm.params_of("expert_ffn1") if len(r["shape"]) == 3]
     second = [(n, r) for _, n, r in lm.params_of("expert_ffn2") if len(r["shape"]) == 3]
+    if len(mods) == 1 and len(first) == 2 and len(second) == 1:
+        return _fused_entry(kind, lm, mods[0], first + second, deg, split)
     if len(mods) != 1 or "." not in mods[0] or len(first) != 1 or len(second) != 1 or \
             len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != 2:
         raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul "
@@ -66,4 +69,29 @@ def gathered_entry(kind: str, lm, choice, deg):
             + (f", all_reduce over tp={deg.tp}" if deg.tp > 1 else "") + " after the block"
             + (f"; shared experts {', '.join(shared)} on this rank's own rows" if shared
                else ""))
+    return Entry(block, style, what)
+
+
+def _fused_entry(kind: str, lm, mod: str, rows, deg, split) -> Entry:
+    """A re-split layer whose experts are stored fused (DBRX: ``ffn.experts.mlp.{w1, v1,
+    w2}``, rows at their ``[E, f, h]`` views): GatheredExperts on the block ``ffn`` with
+    ``fused``, each weight's tp dim the ``f`` rows (1), no shared experts."""
+    parts = mod.split(".")
+    if len(parts) < 3 or any(r.get("expert_dim") != 0 for _, r in rows) or \
+            any(op in lm.ops for op in ("shared_ffn1", "shared_ffn2")):
+        raise NotCovered(f"{kind}: re-split fused experts in {mod!r} (covered: "
+                         "block.experts.glu, no shared experts)")
+    block, child, glu = ".".join(parts[:-2]), parts[-2], parts[-1]
+    _, f, h = (int(d) for d in rows[0][1]["shape"])
+    weights = ", ".join(f"{_literal(str(n))}: (1, ())" for n, _ in rows)
+    style = (f"GatheredExperts(experts={_literal(child)}, weights={{{weights}}}, "
+             f"split={split!r}, fused=({_literal(glu)}, {f}, {h}))")
+    group = deg.tp * deg.ep
+    what = (f"experts split moe_tp={deg.moe_tp} x moe_ep={deg.moe_ep} ([E, f, h] views of the "
+            "fused weights): " + (f"every expert at 1/{group} of its f rows" if split == "tp"
+                                  else f"{group} ways by expert" if split == "ep" else
+                                  f"{deg.moe_ep} ways by expert, each at 1/{deg.moe_tp} of "
+                                  "its f rows")
+            + f"; all_gather of the tokens over ep={deg.ep}, reduce_scatter over ep"
+            + (f", all_reduce over tp={deg.tp}" if deg.tp > 1 else "") + " after the block")
     return Entry(block, style, what)

@@ -164,7 +164,8 @@ def fused_experts_verdict(verdict: dict, plans) -> dict:
     """plan.json ``backend`` once the plans are known, for a model whose experts are stored
     fused (DBRX: :mod:`shardc.backends.fused_styles`): runs False, naming the plan's choice,
     when ``parallelize.py`` does not place them as some plan of ``plans`` chose (the pairs
-    other than col/row and rep/rep over tp, a re-split of the experts); else ``verdict``."""
+    other than col/row and rep/rep over tp; a re-split other than col/row); else
+    ``verdict``."""
     if not verdict.get("runs", True):
         return verdict
     from shardc.backends.torch_styles import NotCovered, style_plan

@@ -60,3 +60,22 @@ def clip_of(attn) -> float | None:
     """DBRX's ``clip_qkv`` (None: no clamp; every other attention has none)."""
     clip = getattr(attn, "clip_qkv", None)
     return None if clip is None else float(clip)
+
+
+def fused_topk_forward(glu, names):
+    """Experts stored fused as ``forward(hidden [..., h], top_k_index [T, k], top_k_weights
+    [T, k]) -> [..., h]`` on the local ``[E_local, f, h]`` shards of ``glu``'s ``names``
+    (gate, up, down): each token's weighted sum of its local experts' GLU outputs (an index
+    outside ``[0, E_local)``, another rank's expert, adds nothing)."""
+    def forward(hidden, top_k_index, top_k_weights):
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        w1, v1, w2 = (getattr(glu, n) for n in names)
+        out = x.new_zeros(x.shape)
+        for e in range(w1.shape[0]):
+            tok, slot = (top_k_index == e).nonzero(as_tuple=True)
+            if tok.numel():
+                y = glu(x[tok], w1[e], v1[e], w2[e]) * top_k_weights[tok, slot, None]
+                out.index_add_(0, tok, y.to(x.dtype))
+        return out.view(shape)
+    return forward

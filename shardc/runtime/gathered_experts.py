@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from shardc.runtime.dbrx_local import fused_expert_weights, fused_topk_forward, is_fused_experts
 from shardc.runtime.local_ops import Group
 from shardc.runtime.styles import interleave
 
@@ -99,8 +100,11 @@ class GatheredExperts(ParallelStyle):
     the block's router child."""
 
     def __init__(self, *, experts: str = "experts", weights=None, split="tp",
-                 shared=(), router: str = "gate"):
+                 shared=(), router: str = "gate", fused=None):
         super().__init__()
+        # experts stored fused (DBRX): (the GLU child holding the weights, f, h): each
+        # [E * f, h] weight placed as its [E, f, h] view (tp dim 1: each expert's f rows)
+        self.fused = tuple(fused) if fused else None
         self.shared, self.router = tuple(shared), router
         if split not in SPLITS and (isinstance(split, bool) or not isinstance(split, int)
                                     or split < 1):
@@ -115,8 +119,11 @@ class GatheredExperts(ParallelStyle):
         mesh = device_mesh
         if moe_tp > 1 and moe_ep > 1:  # a mesh dim per factor: experts, then their width
             mesh = experts_mesh(device_mesh, moe_tp, moe_ep)
+        owner = experts.get_submodule(self.fused[0]) if self.fused else experts
         for name, (dim, parts) in self.weights.items():
-            full = getattr(experts, name).detach()
+            full = getattr(owner, name).detach()
+            if self.fused:
+                full = full.view(-1, *self.fused[1:])
             if parts and moe_tp > 1:  # each moe_tp rank: [gate_r | up_r]
                 full = interleave(full, dim, parts if len(parts) > 1 else parts[0], moe_tp)
             if mesh is device_mesh:  # one split over every mesh dim (ep then tp)
@@ -124,10 +131,12 @@ class GatheredExperts(ParallelStyle):
             else:
                 placements = [Shard(0), Shard(dim)]
             dt = distribute_tensor(full, mesh, placements, src_data_rank=self.src_data_rank)
-            experts.register_parameter(name, nn.Parameter(dt, requires_grad=False))
+            owner.register_parameter(name, nn.Parameter(dt, requires_grad=False))
         names = tuple(self.weights)
         forward_local = experts.forward  # the model's own expert maths
-        total = int(getattr(experts, names[0]).shape[0])
+        if self.fused:  # its GLU per local expert (rows routed elsewhere add nothing)
+            forward_local = fused_topk_forward(owner, names)
+        total = int(getattr(owner, names[0]).shape[0])
         local = total // moe_ep
         first = index // moe_tp * local
         if moe_ep > 1 and hasattr(experts, "_is_expert_parallel"):
@@ -140,17 +149,17 @@ class GatheredExperts(ParallelStyle):
                 mine = (top_k_index >= first) & (top_k_index < first + local)
                 top_k_index = torch.where(mine, top_k_index - first, local)
                 top_k_weights = top_k_weights * mine.to(top_k_weights.dtype)
-            saved = {n: experts._parameters[n] for n in names}
+            saved = {n: owner._parameters[n] for n in names}
             num = getattr(experts, "num_experts", None)
             try:
                 for n in names:
-                    experts._parameters[n] = nn.Parameter(saved[n].to_local(),
-                                                          requires_grad=False)
+                    owner._parameters[n] = nn.Parameter(saved[n].to_local(),
+                                                        requires_grad=False)
                 if num is not None:
                     experts.num_experts = local
                 return forward_local(hidden, top_k_index, top_k_weights)
             finally:
-                experts._parameters.update(saved)
+                owner._parameters.update(saved)
                 if num is not None:
                     experts.num_experts = num
 
@@ -275,13 +284,19 @@ class GatheredExpertsLocal:
             raise NotImplementedError("a sharded router (the fast runtime runs rep routers)")
         self.split = walk["experts"]["gather"]
         self.tp, self.ep = tp, ep
-        self.router = mlp.gate
         experts = mlp.experts
-        self.gate_up = experts.gate_up_proj
-        self.down = experts.down_proj
-        self.gate_up, self.down = (t.to_local() if hasattr(t, "to_local") else t
-                                   for t in (self.gate_up, self.down))
-        self.act = experts.act_fn
+        self.fused = is_fused_experts(experts)  # DBRX: gate / up apart, its own routing
+        if self.fused:
+            self.router, self.route = mlp.router.layer, mlp.route_tokens_to_experts
+            (self.gate, self.up), self.down, self.act, _ = fused_expert_weights(experts)
+            self.gate_up = self.gate
+        else:
+            self.router = mlp.gate
+            self.gate_up = experts.gate_up_proj
+            self.down = experts.down_proj
+            self.gate_up, self.down = (t.to_local() if hasattr(t, "to_local") else t
+                                       for t in (self.gate_up, self.down))
+            self.act = experts.act_fn
         self.num_experts = int(self.router.weight.shape[0])
         self.local_experts = int(self.gate_up.shape[0])
         moe_tp, _ = split_sizes(self.split, tp.size * ep.size)
@@ -294,7 +309,11 @@ class GatheredExpertsLocal:
             x = funcol.all_gather_single(x.contiguous(), 0, self.ep.pg)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        _, weights, idx = self.router(x2)
+        if self.fused:
+            w = self.router.weight
+            weights, idx = self.route(F.linear(x2, w.to_local() if hasattr(w, "to_local") else w))
+        else:
+            _, weights, idx = self.router(x2)
         t, k = idx.shape
         local = idx.reshape(-1) - self.first
         keep = (local >= 0) & (local < self.local_experts)
@@ -307,7 +326,10 @@ class GatheredExpertsLocal:
         out, i = [], 0
         for e, n in enumerate(counts):
             if n:
-                g, u = F.linear(rows[i:i + n], self.gate_up[e]).chunk(2, -1)
+                if self.fused:
+                    g, u = F.linear(rows[i:i + n], self.gate[e]), F.linear(rows[i:i + n], self.up[e])
+                else:
+                    g, u = F.linear(rows[i:i + n], self.gate_up[e]).chunk(2, -1)
                 out.append(F.linear(self.act(g) * u, self.down[e]))
             i += n
         y = torch.cat(out, 0) if out else rows.new_zeros(0, shape[-1])
