@@ -192,26 +192,19 @@ def _choices(model_file: str, override: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def launched(model_file) -> dict:
-    from test_fast_runtime import plan_payload
+    from test_fast_runtime import launch_plans
     from test_fast_runtime_moe import _worker as plan_worker
 
-    from shardc.testing.launch import launch
-
-    payloads = [plan_payload(model_file, deg, _choices(model_file, over))
-                for deg, over in PLAN_CASES.values()]
-    per_rank = launch(plan_worker, 4, (payloads,), 900, ("torch", "transformers",
-                                                         "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(PLAN_CASES)}
+    return launch_plans(plan_worker, {n: (model_file, deg, _choices(model_file, over))
+                                      for n, (deg, over) in PLAN_CASES.items()})
 
 
 @pytest.mark.parametrize("name", list(PLAN_CASES))
 def test_dbrx_plan_generate_equals_unsharded(launched, name):
+    from test_fast_runtime import assert_unsharded_tokens
     from test_fast_runtime_moe import TOL
 
-    for r, res in enumerate(launched[name]):
-        assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
-        assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
+    assert_unsharded_tokens(launched[name], TOL)
 
 
 RESPLIT = {"tp": 2, "ep": 2, "moe_ep": 4}

@@ -89,6 +89,31 @@ def reference_greedy(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> 
     return ids
 
 
+def launch_plans(worker, cases: dict) -> dict:
+    """Every case's plan (``cases``: name -> :func:`plan_payload` arguments) run by ``worker``
+    on :data:`WORLD` gloo ranks in one launch; name -> the per-rank result dicts."""
+    from shardc.testing.launch import launch
+
+    names = list(cases)
+    payloads = [plan_payload(*cases[n]) for n in names]
+    per_rank = launch(worker, WORLD, (payloads,), 900,
+                      ("torch", "transformers", "shardc.runtime.fast"))
+    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+
+
+def assert_unsharded_tokens(per_rank: list, logits_tol: float | None = None) -> None:
+    """Every rank ran without error, its greedy tokens equal the unsharded model's (and,
+    with ``logits_tol``, its logits within that relative error), and every rank picked the
+    same tokens (the all-gathered batch)."""
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}: {res.get('error')}"
+        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
+        if logits_tol is not None:
+            err = res["logits_error"]
+            assert err <= logits_tol, f"rank {r}: logits off by {err:.2e}"
+    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+
+
 def _worker(rank, world, port, payloads, out_dir):
     import os
 
@@ -146,23 +171,13 @@ def _worker(rank, world, port, payloads, out_dir):
 
 @pytest.fixture(scope="module")
 def launched():
-    from shardc.testing.launch import launch
-
-    names = list(CASES)
-    payloads = [plan_payload(*CASES[n]) for n in names]
-    per_rank = launch(_worker, WORLD, (payloads,), 900,
-                      ("torch", "transformers", "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    return launch_plans(_worker, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_generate_equals_unsharded(launched, name):
     per_rank = launched[name]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
-    # tokens the runtime picks are the same on every rank (the all-gathered batch)
-    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+    assert_unsharded_tokens(per_rank)
     # sampling: deterministic for a seed, the same on every rank, and not the greedy run
     assert all(res["sampled_repeat"] for res in per_rank)
     assert all(res["sampled"] == per_rank[0]["sampled"] for res in per_rank)

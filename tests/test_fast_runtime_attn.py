@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from test_backend_gloo import DEEPSEEK, DENSE, DS_MEGATRON, LLAMA, MOE, D, M, _with
-from test_fast_runtime import BATCH_ATTN, plan_payload
+from test_fast_runtime import BATCH_ATTN, _worker, assert_unsharded_tokens, launch_plans
 from test_fast_runtime_bytes import decode_collectives_match
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,24 +78,13 @@ BYTES_CHECKED = [n for n in CASES if n not in NUMERICS_ONLY]
 
 @pytest.fixture(scope="module")
 def launched():
-    from test_fast_runtime import _worker
-
-    from shardc.testing.launch import launch
-
-    names = list(CASES)
-    payloads = [plan_payload(*CASES[n]) for n in names]
-    per_rank = launch(_worker, 4, (payloads,), 900,
-                      ("torch", "transformers", "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    return launch_plans(_worker, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_generate_equals_unsharded(launched, name):
     per_rank = launched[name]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
-    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+    assert_unsharded_tokens(per_rank)
     assert all(res["sampled_repeat"] for res in per_rank)
     assert all(res["sampled"] == per_rank[0]["sampled"] for res in per_rank)
 

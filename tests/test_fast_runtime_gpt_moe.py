@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_backend_gloo import GPT_MOE, MOE, ROOT, _with
+from test_fast_runtime import assert_unsharded_tokens, launch_plans
 
 M = "moe_block"
 # routers with a bias (drawn): a sharded router adds it around its collective
@@ -123,25 +124,13 @@ def _worker(rank, world, port, payloads, out_dir):
 
 @pytest.fixture(scope="module")
 def launched():
-    from test_fast_runtime import WORLD, plan_payload
-
-    from shardc.testing.launch import launch
-
-    names = list(CASES)
-    payloads = [plan_payload(*CASES[n]) for n in names]
-    per_rank = launch(_worker, WORLD, (payloads,), 900,
-                      ("torch", "transformers", "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    return launch_plans(_worker, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_generate_equals_unsharded(launched, name):
     per_rank = launched[name]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
-        assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
-    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+    assert_unsharded_tokens(per_rank, TOL)
 
 
 @pytest.mark.parametrize("name", BYTES)

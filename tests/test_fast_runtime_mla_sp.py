@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 from test_backend_gloo import DEEPSEEK, DENSE, DS_MEGATRON, D, M
-from test_fast_runtime import plan_payload
+from test_fast_runtime import assert_unsharded_tokens, launch_plans
 from test_fast_runtime_attn import DS_DENSE
+from test_fast_runtime_moe import _worker as moe_worker
 
 CASES = {
     "deepseek (dense) MLA tp4 sp rep qkv, heads split": (
@@ -28,22 +29,10 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def launched():
-    from test_fast_runtime_moe import _worker
-
-    from shardc.testing.launch import launch
-
-    names = list(CASES)
-    payloads = [plan_payload(*CASES[n]) for n in names]
-    per_rank = launch(_worker, 4, (payloads,), 900,
-                      ("torch", "transformers", "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    return launch_plans(moe_worker, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_generate_equals_unsharded(launched, name):
     per_rank = launched[name]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
-        assert res["logits_error"] <= 1e-4, f"rank {r}: logits off by {res['logits_error']}"
-    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+    assert_unsharded_tokens(per_rank, 1e-4)

@@ -210,24 +210,17 @@ def _worker(rank, world, port, payloads, out_dir):
 
 @pytest.fixture(scope="module")
 def launched(cases):
-    from test_fast_runtime import WORLD, plan_payload
+    from test_fast_runtime import launch_plans
 
-    from shardc.testing.launch import launch
-
-    payloads = [plan_payload(*cases[n]) for n in NAMES]
-    per_rank = launch(_worker, WORLD, (payloads,), 900,
-                      ("torch", "transformers", "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(NAMES)}
+    assert list(cases) == NAMES
+    return launch_plans(_worker, cases)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_generate_equals_unsharded(launched, name):
-    per_rank = launched[name]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["equal"], f"rank {r}: got {res['got']}\nwant {res['want']}"
-        assert res["logits_error"] <= TOL, f"rank {r}: logits off by {res['logits_error']:.2e}"
-    assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
+    from test_fast_runtime import assert_unsharded_tokens
+
+    assert_unsharded_tokens(launched[name], TOL)
 
 
 # under sequence parallelism, a row first matmul / col second: the routed rows are all-gathered

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_backend_gloo import DEEPSEEK, DS_MEGATRON, GPT_MOE, MIXTRAL, MOE, M, _with
+from test_fast_runtime import launch_plans
 
 TP4 = {"tp": 4}
 CASES = {
@@ -111,15 +112,7 @@ def _worker(rank, world, port, payloads, out_dir):
 
 @pytest.fixture(scope="module")
 def launched():
-    from test_fast_runtime import plan_payload
-
-    from shardc.testing.launch import launch
-
-    names = list(CASES)
-    payloads = [plan_payload(*CASES[n]) for n in names]
-    per_rank = launch(_worker, 4, (payloads,), 900,
-                      ("torch", "transformers", "shardc.runtime.fast"))
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    return launch_plans(_worker, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
