@@ -20,7 +20,7 @@ from shardc.ir.contract import CHOICE_NAMES
 
 def gathered_entry(kind: str, lm, choice, deg):
     """The :class:`~shardc.backends.style_entry.Entry` of a re-split layer ``lm`` (its
-    :class:`~shardc.backends.torch_styles.LayerModules`); ``choice(op)`` the op's choice
+    :class:`~shardc.backends.layer_modules.LayerModules`); ``choice(op)`` the op's choice
     index."""
     split = gather_split(deg)
     names = tuple(CHOICE_NAMES[op][choice(op)] for op in ("expert_ffn1", "expert_ffn2"))

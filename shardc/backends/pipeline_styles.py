@@ -46,8 +46,8 @@ def stage_layout(plan, container: str = "model.layers") -> tuple[list[list[int]]
     the embedding table through its own module). Raises :class:`NotCovered` (a hand-edited
     map) when a layer's parameters sit on two stages, a stage holds no layer or its layers
     are not contiguous, or a model-level parameter is on a middle stage."""
+    from shardc.backends.layer_modules import global_modules
     from shardc.backends.layout import rows_with_ops
-    from shardc.backends.torch_styles import _global_modules
 
     pp = plan.strategy().degrees.pp
     rows = rows_with_ops(plan.params)
@@ -65,7 +65,7 @@ def stage_layout(plan, container: str = "model.layers") -> tuple[list[list[int]]
             raise NotCovered(f"pp={pp}: {p['fqn']} ({p.get('op') or 'no op'}) on stage "
                              f"{p['stage']} (the runtime keeps the embedding on stage 0, the "
                              f"final norm and lm_head on stage {pp - 1})")
-    where = _global_modules(rows)
+    where = global_modules(rows)
     embedding, lm_head = where.get("embedding"), where.get("lm_head")
     if embedding is None or lm_head is None:
         raise NotCovered(f"pp={pp}: no embedding or lm_head module in the plan's params")
