@@ -8,9 +8,7 @@ and ``DbrxExperts`` whose weights are stored fused: ``mlp.w1`` gate, ``mlp.v1`` 
 
 from __future__ import annotations
 
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+from shardc.runtime.local_ops import local_tensor
 
 
 def is_dbrx_block(layer) -> bool:
@@ -41,7 +39,7 @@ def fused_expert_weights(experts):
     f, h = int(experts.ffn_hidden_size), int(experts.hidden_size)
 
     def view(t):
-        t = _local(t)
+        t = local_tensor(t)
         return t if t.dim() == 3 else t.view(-1, f, h)
 
     return (view(glu.w1), view(glu.v1)), view(glu.w2).transpose(1, 2), glu.activation_fn, f

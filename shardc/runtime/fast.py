@@ -50,6 +50,7 @@ from shardc.runtime.local_ops import (
     held_rows,
     linear,
     linear_parts,
+    local_tensor,
     norm_of,
     projection_norms,
     repair,
@@ -57,7 +58,7 @@ from shardc.runtime.local_ops import (
     rope,
 )
 from shardc.runtime.mla_local import LatentAttention, PerHeadLatentAttention
-from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, PlainMLP, _local, shared_branch
+from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, PlainMLP, shared_branch
 
 
 def _lm_config(model):
@@ -124,20 +125,20 @@ class Attention:
         self.upcast = bool(getattr(attn, "reorder_and_upcast_attn", False)) and \
             getattr(cfg, "_attn_implementation", None) == "eager"
         if hasattr(attn, "c_attn"):  # GPT-2: packed q|k|v Conv1D weights [in, out]
-            self.wqkv, self.bqkv = [_local(attn.c_attn.weight).t()], [_local(attn.c_attn.bias)]
-            self.wo, self.bo = _local(attn.c_proj.weight).t(), attn.c_proj.bias
+            self.wqkv, self.bqkv = [local_tensor(attn.c_attn.weight).t()], [local_tensor(attn.c_attn.bias)]
+            self.wo, self.bo = local_tensor(attn.c_proj.weight).t(), attn.c_proj.bias
         elif any(hasattr(attn, a) for a in ("qkv", "qkv_proj", "Wqkv")):  # packed q|k|v
             qkv = next(getattr(attn, a) for a in ("qkv", "qkv_proj", "Wqkv")  # GPT-MoE's,
                        if hasattr(attn, a))  # Phi-3's, DBRX's
             out = next(getattr(attn, a) for a in ("out", "o_proj", "out_proj") if hasattr(attn, a))
-            self.wqkv, self.bqkv = [_local(qkv.weight)], [_local(qkv.bias)]
-            self.wo, self.bo = _local(out.weight), out.bias
+            self.wqkv, self.bqkv = [local_tensor(qkv.weight)], [local_tensor(qkv.bias)]
+            self.wo, self.bo = local_tensor(out.weight), out.bias
         else:
             projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-            self.wqkv = [_local(p.weight) for p in projs]  # the shards themselves: no copy
-            self.bqkv = [None if p.bias is None else _local(p.bias) for p in projs]
-            self.wo, self.bo = _local(attn.o_proj.weight), attn.o_proj.bias
-        self.bo = None if self.bo is None else _local(self.bo)
+            self.wqkv = [local_tensor(p.weight) for p in projs]  # the shards themselves: no copy
+            self.bqkv = [None if p.bias is None else local_tensor(p.bias) for p in projs]
+            self.wo, self.bo = local_tensor(attn.o_proj.weight), attn.o_proj.bias
+        self.bo = None if self.bo is None else local_tensor(self.bo)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
         # OLMoE: q / k norms over the whole projection (else per head)
@@ -314,9 +315,9 @@ class FastModel:
         self.first = hasattr(embed, "weight")
         self.last = hasattr(getattr(model, "lm_head", None), "weight")
         if self.first:
-            self.embed = _local(embed.weight)
+            self.embed = local_tensor(embed.weight)
             # GPT-2's learned positions (replicated), added after the embedding's repair
-            self.positions = _local(inner.wpe.weight) if gpt2 else None
+            self.positions = local_tensor(inner.wpe.weight) if gpt2 else None
             # Gemma's scaled embedding (a Python float: the buffer is not a parameter)
             self.embed_scale = getattr(embed, "scalar_embed_scale", None)
             if self.embed_scale is None and getattr(embed, "embed_scale", None) is not None:
@@ -325,8 +326,8 @@ class FastModel:
             self.embed_mult = float(getattr(inner, "embedding_multiplier", 1.0) or 1.0)
         if self.last:
             self.norm = inner.ln_f if gpt2 or plain else inner.norm_f if dbrx else inner.norm
-            self.head = _local(model.lm_head.weight)
-            self.head_bias = None if model.lm_head.bias is None else _local(model.lm_head.bias)
+            self.head = local_tensor(model.lm_head.weight)
+            self.head_bias = None if model.lm_head.bias is None else local_tensor(model.lm_head.bias)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
             self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)  # Granite
         self.rotary = getattr(inner, "rotary_emb", None)

@@ -44,11 +44,7 @@ from shardc.runtime.gpt_moe_local import (
     is_plain_router,
     top_k_routing,
 )
-from shardc.runtime.local_ops import Group, linear, linear_parts, repair
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+from shardc.runtime.local_ops import Group, linear, linear_parts, local_tensor, repair
 
 
 def _router_of(mlp):
@@ -98,7 +94,7 @@ class RouterLocal:
         (_, self.choice, self.need, self.produced), = walk["steps"]
         self.end, self.tp, self.module = walk["end"], tp, router
         self.weight = router.weight
-        self.local = _local(router.weight)
+        self.local = local_tensor(router.weight)
         self.residual = "R"
         self.plain = is_plain_router(router)
         self.top_k = top_k
@@ -110,7 +106,7 @@ class RouterLocal:
         rank's experts' slice before the all-gather, a ``row`` one the whole bias on tp rank
         0 before the all-reduce (:func:`~shardc.runtime.local_ops.linear`)."""
         if bias is not None:
-            bias = _local(bias)
+            bias = local_tensor(bias)
             if self.choice == "col" and bias.shape[0] == self.weight.shape[0] and self.tp:
                 bias = bias.chunk(self.tp.size)[self.tp.rank]
             bias = bias.to(w.dtype)
@@ -122,7 +118,7 @@ class RouterLocal:
         if self.plain:
             self.residual = residual
             bias = self.module.bias
-            logits = F.linear(x, self.local, _local(bias)) if self.choice == "rep" \
+            logits = F.linear(x, self.local, local_tensor(bias)) if self.choice == "rep" \
                 else self.scores(x, self.local, bias)
             return self.routing(logits) if self.routing else top_k_routing(logits, self.top_k)
         if self.choice == "rep":
@@ -178,7 +174,7 @@ class ExpertsLocal:
             self.gate_up, self.down, self.act, f = fused_expert_weights(experts)
             self.gated = True
         else:
-            self.gate_up, self.down = _local(experts.gate_up_proj), _local(experts.down_proj)
+            self.gate_up, self.down = local_tensor(experts.gate_up_proj), local_tensor(experts.down_proj)
             self.act, self.gated = experts.act_fn, True
         self.num_experts = int(self.router.weight.shape[0])
         # the first matmul's weights: one packed gate|up, or DBRX's gate and up apart (no
@@ -311,12 +307,12 @@ class DenseMLP:
     def __init__(self, module, walk: dict, tp: Group):
         self.steps, self.end, self.tp = walk["steps"], walk["end"], tp
         if hasattr(module, "gate_up_proj"):
-            self.w1 = [_local(module.gate_up_proj.weight)]
+            self.w1 = [local_tensor(module.gate_up_proj.weight)]
             self.act = module.activation_fn
         else:
-            self.w1 = [_local(module.gate_proj.weight), _local(module.up_proj.weight)]  # no copy
+            self.w1 = [local_tensor(module.gate_proj.weight), local_tensor(module.up_proj.weight)]  # no copy
             self.act = module.act_fn
-        self.w2 = _local(module.down_proj.weight)
+        self.w2 = local_tensor(module.down_proj.weight)
         self.inter = module.down_proj.in_features if hasattr(module.down_proj, "in_features") \
             else self.w2.shape[1]
 
@@ -337,8 +333,8 @@ class PlainMLP:
 
     def __init__(self, module, walk: dict, tp: Group):
         self.steps, self.end, self.tp = walk["steps"], walk["end"], tp
-        self.w1, self.b1 = _local(module.c_fc.weight).t(), _local(module.c_fc.bias)
-        self.w2, self.b2 = _local(module.c_proj.weight).t(), _local(module.c_proj.bias)
+        self.w1, self.b1 = local_tensor(module.c_fc.weight).t(), local_tensor(module.c_fc.bias)
+        self.w2, self.b2 = local_tensor(module.c_proj.weight).t(), local_tensor(module.c_proj.bias)
         self.act = module.act
 
     def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
@@ -354,7 +350,7 @@ class GatedShared:
 
     def __init__(self, mlp, walk: dict, tp: Group):
         self.mlp = DenseMLP(mlp.shared_expert, walk, tp)
-        self.gate = _local(mlp.shared_expert_gate.weight)
+        self.gate = local_tensor(mlp.shared_expert_gate.weight)
 
     def __call__(self, x: torch.Tensor, residual: str) -> torch.Tensor:
         return torch.sigmoid(F.linear(x, self.gate)) * self.mlp(x, residual)
