@@ -90,17 +90,8 @@ def lean_ops(polisher, tp_idx: int, tuples: np.ndarray) -> np.ndarray | None:
     base[N_DEG:] = mega
     if not polisher.sampler.legal(base[None])[0]:  # e.g. an engine's mode space
         return None
-    acts, owner = [base[None]], [-1]
-    for g, cols in enumerate(polisher.groups):
-        combos = polisher._combos(tp_idx, cols)
-        if len(combos) < 2:
-            continue
-        a = np.repeat(base[None], len(combos), axis=0)
-        a[:, cols] = combos
-        keep = (combos != base[cols]).any(axis=1)
-        acts.append(a[keep])
-        owner += [g] * int(keep.sum())
-    acts = np.concatenate(acts)
+    blocks, owner = polisher.group_neighbours(base, tp_idx)
+    acts, owner = np.concatenate([base[None], *blocks]), [-1, *owner]
     polisher.evaluate(acts)
     mem = np.array([polisher.archive.memory.get(a.tobytes(), np.nan) for a in acts])
     if not np.isfinite(mem[0]):

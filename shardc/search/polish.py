@@ -172,6 +172,22 @@ class RowPolisher:
         legal = [np.flatnonzero(self.sampler.op_mask[tp_idx, c - N_DEG]) for c in cols]
         return np.array(list(itertools.product(*legal)), dtype=np.int64)
 
+    def group_neighbours(self, base: np.ndarray, tp_idx: int) -> tuple[list, list]:
+        """``base`` with one branch group's columns changed to each other legal combination
+        at tp index ``tp_idx``: (a block of actions per group, the group index of every
+        action, in order); groups with one legal combination are skipped."""
+        blocks, owner = [], []
+        for g, cols in enumerate(self.groups):
+            combos = self._combos(tp_idx, cols)
+            if len(combos) < 2:
+                continue
+            acts = np.repeat(base[None], len(combos), axis=0)
+            acts[:, cols] = combos
+            keep = (combos != base[cols]).any(axis=1)
+            blocks.append(acts[keep])
+            owner += [g] * int(keep.sum())
+        return blocks, owner
+
     def polish(self, action: np.ndarray, value: float) -> tuple[np.ndarray, float]:
         """Branch best responses at ``action``'s row (step 1); returns the best action and
         value reached (``action`` itself when nothing improves)."""
@@ -179,16 +195,7 @@ class RowPolisher:
         if action[TP] == self.free_tp:
             return cur, cur_v
         for _ in range(self.sweeps):
-            cands, owner = [], []
-            for g, cols in enumerate(self.groups):
-                combos = self._combos(int(cur[TP]), cols)
-                if len(combos) < 2:
-                    continue
-                acts = np.repeat(cur[None], len(combos), axis=0)
-                acts[:, cols] = combos
-                keep = (combos != cur[cols]).any(axis=1)
-                cands.append(acts[keep])
-                owner += [g] * int(keep.sum())
+            cands, owner = self.group_neighbours(cur, int(cur[TP]))
             if not cands:
                 break
             acts = np.concatenate(cands)
