@@ -210,7 +210,7 @@ def _run_tp_rows(module, forward_local, names, rows: torch.Tensor, sizes: list[i
         back[i * m:i * m + sum(c)] = out[start:start + sum(c)]
         start += sum(c)
     result = out.new_empty(m, out.shape[1])
-    dist.reduce_scatter_tensor(result, back, group=group)
+    dist.reduce_scatter_single(result, back, group=group)
     return result[:rows.shape[0]]
 
 
@@ -222,13 +222,13 @@ def _gather_tp_rows(rows: torch.Tensor, sizes: list[int], group):
     n = dist.get_world_size(group)
     mine = torch.tensor(sizes, dtype=torch.long)
     every = torch.empty(n * len(sizes), dtype=torch.long)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    dist.all_gather_single(every, mine, group=group)
     per_rank = [list(sizes)] * n if rows.is_meta else every.view(n, -1).tolist()
     m = max(sum(c) for c in per_rank)
     padded = rows.new_zeros(m, rows.shape[1]) if not rows.is_meta else rows.new_empty(m, rows.shape[1])
     padded[:rows.shape[0]] = rows
     gathered = rows.new_empty(n * m, rows.shape[1])
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    dist.all_gather_single(gathered, padded, group=group)
     every_rows = torch.cat([gathered[i * m:i * m + sum(c)] for i, c in enumerate(per_rank)])
     ids = torch.cat([_expert_ids(c) for c in per_rank]).to(rows.device)
     return per_rank, m, every_rows, ids
@@ -313,7 +313,7 @@ def _chain(module, forward_local, names, chain, rows: torch.Tensor, sizes: list[
             dist.all_reduce(h, group=group)
         else:  # gate|up interleaved per rank: the scattered slice is [g_r | u_r]
             out = h.new_empty(h.shape[1] // n, h.shape[0])  # features are dim 0 here
-            dist.reduce_scatter_tensor(out, h.t().contiguous(), group=group)
+            dist.reduce_scatter_single(out, h.t().contiguous(), group=group)
             h = out.t()
     have = "S(1)" if c1 == "col" or (c1 == "row" and need == "S(1)") else "R"
     if have == "S(1)" and need == "R":  # the walk's repair of expert_ffn1's output
@@ -339,9 +339,9 @@ def _chain(module, forward_local, names, chain, rows: torch.Tensor, sizes: list[
 
 def _gather_features(x: torch.Tensor, n: int, group) -> torch.Tensor:
     """``x`` [rows, f / n] of every rank of ``group`` side by side: [rows, f] (one
-    ``all_gather_into_tensor``)."""
+    ``all_gather_single``)."""
     out = x.new_empty(n * x.shape[0], x.shape[1])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_single(out, x.contiguous(), group=group)
     return torch.cat(out.chunk(n, dim=0), dim=-1)
 
 

@@ -171,13 +171,13 @@ class GatheredExperts(ParallelStyle):
             if ep_group is not None:  # every ep rank's rows (its attention group's tokens)
                 n = dist.get_world_size(ep_group)
                 gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))
-                dist.all_gather_into_tensor(gathered, x.contiguous(), group=ep_group)
+                dist.all_gather_single(gathered, x.contiguous(), group=ep_group)
                 x = gathered
             out = block_forward(x, *args, **kwargs)  # partial sums over the ep x tp ranks
             y = out[0] if isinstance(out, tuple) else out
             if ep_group is not None:
                 mine = y.new_empty((y.shape[0] // dist.get_world_size(ep_group), *y.shape[1:]))
-                dist.reduce_scatter_tensor(mine, y.contiguous(), group=ep_group)
+                dist.reduce_scatter_single(mine, y.contiguous(), group=ep_group)
                 y = mine
             if tp_group is not None:
                 dist.all_reduce(y, group=tp_group)

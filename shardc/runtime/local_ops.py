@@ -92,10 +92,10 @@ def repair(x: torch.Tensor, src: str, dst: str, g: Group, parts=None) -> torch.T
     if (src, dst) == ("P", "R"):
         return funcol.all_reduce(x, "sum", pg)
     if (src, dst) == ("P", "S(0)"):
-        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, pg)
+        return funcol.reduce_scatter_single(x.contiguous(), "sum", 0, pg)
     if (src, dst) == ("P", "S(1)"):
         x = to_rank_order(x, parts, n).movedim(-1, 0).contiguous()
-        return funcol.reduce_scatter_tensor(x, "sum", 0, pg).movedim(0, -1)
+        return funcol.reduce_scatter_single(x, "sum", 0, pg).movedim(0, -1)
     if (src, dst) == ("S(0)", "R"):
         return funcol.all_gather_single(x.contiguous(), 0, pg)
     if (src, dst) == ("S(1)", "R"):

@@ -224,7 +224,7 @@ class ExpertsLocal:
         tp, n = self.tp, self.tp.size
         mine = torch.tensor(counts, dtype=torch.long, device=rows.device)
         every = mine.repeat(n)  # overwritten (a fake process group: all ranks as this one)
-        dist.all_gather_into_tensor(every, mine, group=tp.pg)
+        dist.all_gather_single(every, mine, group=tp.pg)
         per_rank = every.view(n, -1).tolist()
         sizes = [sum(c) for c in per_rank]
         m = max(sizes)
@@ -248,7 +248,7 @@ class ExpertsLocal:
         offsets = [sum(sizes[:i]) for i in range(n)]
         for i, c in enumerate(sizes):
             pad[i * m:i * m + c] = back[offsets[i]:offsets[i] + c]
-        out = funcol.reduce_scatter_tensor(pad, "sum", 0, tp.pg)
+        out = funcol.reduce_scatter_single(pad, "sum", 0, tp.pg)
         return out[:rows.shape[0]]
 
     def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
