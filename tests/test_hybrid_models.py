@@ -21,6 +21,7 @@ from shardc.cli import main
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 GB = 1e9
 BF16 = 2  # bytes: the checkpoints' dtype; vLLM's default state dtype is the model's
+FP32 = 4  # SGLang's default SSM state dtype, and vLLM's for Nemotron-H
 
 # ----------------------------------------------------------------- hand computations
 # tp = 8, batch 64 sequences, context 4096 tokens, decode, vLLM's layout (attention and the
@@ -51,19 +52,19 @@ NEMOTRON_H_KV = 4 * (2 * 8 * 128 // TP) * BATCH * CONTEXT * BF16  # 0.54 GB
 # Mamba-2 state per layer and sequence: mamba_num_heads 128 x mamba_head_dim 64 x
 # ssm_state_size 128 = 1,048,576; conv state over x, B, C = 128 x 64 + 2 x n_groups 8 x 128
 # = 10,240 channels x (conv_kernel 4 - 1) = 30,720; split by heads (and the 8 groups) over tp 8.
-NEMOTRON_H_STATE = 24 * (128 * 64 * 128 + 10240 * 3) // TP * BATCH * BF16  # 0.41 GB
-# (The issue estimated about 3.8 and 0.7 GB: the same caches with the recurrent state in
-# fp32; vLLM holds it in the model's dtype unless --mamba-ssm-cache-dtype says otherwise.)
+# vLLM holds Nemotron-H's SSM state in float32 (its per-model hook reads the config's
+# mamba_ssm_cache_dtype, float32 by default), the conv state in the model's bf16.
+NEMOTRON_H_STATE = 24 * (128 * 64 * 128 * FP32 + 10240 * 3 * BF16) // TP * BATCH  # 0.81 GB
 HAND = {"qwen3_next_80b_a3b": (QWEN3_NEXT_KV, QWEN3_NEXT_STATE),
         "jamba_v0_1": (JAMBA_KV, JAMBA_STATE),
         "nemotron_h_8b": (NEMOTRON_H_KV, NEMOTRON_H_STATE)}
 
 
-def _simulate(tmp_path, name: str, context: int = CONTEXT) -> dict:
-    out = tmp_path / f"{name}-{context}.json"
+def _simulate(tmp_path, name: str, context: int = CONTEXT, runtime: str = "vllm") -> dict:
+    out = tmp_path / f"{name}-{context}-{runtime}.json"
     rc = main(["simulate", str(CONFIGS / name / "config.json"), "--mesh", "8x1", "--degrees",
                f"tp={TP}", "--batch", str(BATCH), "--context", str(context), "--runtime",
-               "vllm", "--json", str(out)])
+               runtime, "--json", str(out)])
     assert rc == 0
     return json.loads(out.read_text())["predicted"]["breakdown"]["memory"]
 
@@ -77,6 +78,28 @@ def test_kv_cache_and_recurrent_state_per_gpu_match_a_hand_computation(tmp_path,
     # each part on its own: the formulas are exact, so the parts agree far closer
     assert mem["kv_cache_gb"] * GB == pytest.approx(kv, rel=1e-3)
     assert mem["recurrent_state_gb"] * GB == pytest.approx(state, rel=1e-3)
+
+
+def test_sglang_holds_the_ssm_state_in_float32(tmp_path):
+    """SGLang's --mamba-ssm-dtype defaults to float32 for every model: Qwen3-Next's Gated
+    DeltaNet state doubles against vLLM's (the model's bf16); its conv state does not."""
+    recurrent, conv = 36 * 32 * 128 * 128 // TP * BATCH, 36 * 8192 * 3 // TP * BATCH
+    mem = _simulate(tmp_path, "qwen3_next_80b_a3b", runtime="sglang")
+    assert mem["recurrent_state_gb"] * GB == pytest.approx(recurrent * FP32 + conv * BF16,
+                                                           rel=1e-3)
+
+
+def test_the_ssm_state_dtype_rule_per_engine():
+    from shardc.ir.recurrent import ssm_state_bytes
+
+    nemotron, qwen = {"model_type": "nemotron_h"}, {"model_type": "qwen3_next"}
+    assert ssm_state_bytes("vllm", nemotron, 2) == 4  # its hook: float32 when unnamed
+    assert ssm_state_bytes("vllm", {**nemotron, "mamba_ssm_cache_dtype": "bfloat16"}, 2) == 2
+    assert ssm_state_bytes("vllm", {**qwen, "mamba_ssm_cache_dtype": "float32"}, 2) == 2
+    assert ssm_state_bytes("sglang", qwen, 2) == 4
+    assert ssm_state_bytes("trtllm", qwen, 2) == 2  # auto: the config's, else the model's
+    assert ssm_state_bytes("trtllm", {**qwen, "mamba_ssm_cache_dtype": "float32"}, 2) == 4
+    assert ssm_state_bytes("dtensor", nemotron, 2) == ssm_state_bytes("vllm", nemotron, 2)
 
 
 def test_the_recurrent_state_does_not_grow_with_context(tmp_path):

@@ -38,7 +38,7 @@ from shardc.ir.contract import (
 )
 from shardc.ir.contract import REPLICATED as REPLICATED_MODE
 from shardc.ir.graph import FusedOp
-from shardc.ir.recurrent import is_recurrent, state_elems_per_sequence
+from shardc.ir.recurrent import is_recurrent, state_bytes_per_sequence
 from shardc.ir.windows import attended_positions, causal_pairs, op_window
 
 EXPERT_OPS = ("expert_ffn1", "expert_ffn2")
@@ -71,6 +71,7 @@ class Batch:
     weight_bytes: float
     act_bytes: float
     kv_bytes: float
+    ssm_bytes: float  # a recurrent core's SSM state, per element (ir.recurrent.ssm_state_bytes)
     gemm_peak: float
     detail: bool = False
     expert_imbalance: np.ndarray | float = 1.0  # busiest ep rank's routed rows / mean
@@ -256,7 +257,8 @@ def attention_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
 def recurrent_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
                    in_width: int) -> OpCost:
     """A linear-attention / Mamba core (:mod:`shardc.ir.recurrent`): no KV cache, a constant
-    state per sequence (``state_elems_per_sequence``, held at the activation dtype).
+    state per sequence (the conv state at the activation dtype, the recurrent state at
+    ``b.ssm_bytes``: :func:`shardc.ir.recurrent.state_bytes_per_sequence`).
     Decode: ``decode_flops_per_token`` per sequence, and the state read and written once
     per step. Prefill: ``flops_per_token`` (the chunked form) per prompt token; the state is
     written once per sequence and, for a chunked scan (``scan_chunk`` C), materialised once
@@ -266,7 +268,7 @@ def recurrent_cost(fop: FusedOp, div: np.ndarray, mode: np.ndarray, b: Batch,
     1/tp of the sequences). Roofline only: the kernel tables have no such kernels."""
     d_tok, d_flop, d_w, d_in, d_out = (div[:, i] for i in range(5))
     a = fop.attrs
-    state = float(state_elems_per_sequence(a)) * b.act_bytes
+    state = state_bytes_per_sequence(a, b.act_bytes, b.ssm_bytes)
     frac = np.where(mode == REPLICATED_MODE, 1.0, 1.0 / b.tp)  # heads or sequences split
     act = b.tokens * (in_width / d_in + op_out_width(fop) / d_out) * b.act_bytes
     wbytes = fop.params * b.weight_bytes / d_w

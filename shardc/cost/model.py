@@ -72,6 +72,7 @@ from shardc.cost.step_batch import step_batch
 from shardc.errors import InputError
 from shardc.ir.contract import BRANCHES
 from shardc.ir.graph import Graph
+from shardc.ir.recurrent import ssm_state_bytes
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
 from shardc.ir.strategy import Mesh, Strategy, Workload, format_bytes, stage_layer_ranges
 
@@ -130,6 +131,9 @@ class CostModel:
         self.weight_bytes = float(weight_bytes or format_bytes(workload.weights, dtype))
         self.kv_bytes = float(kv_bytes or format_bytes(workload.kv_cache, dtype))
         self.act_bytes = float(act_bytes or dtype)
+        # the recurrent (SSM) state of a linear-attention / Mamba layer, per element: as
+        # ``engine`` holds it (shardc.ir.recurrent)
+        self.ssm_bytes = ssm_state_bytes(engine, cfg, self.act_bytes)
         self.fp8_gemm = workload.weights == "fp8" if fp8_gemm is None else bool(fp8_gemm)
         self.fp8_dispatch = self.fp8_gemm if fp8_dispatch is None else bool(fp8_dispatch)
         if moe_layouts not in LAYOUT_RULES:

@@ -51,7 +51,7 @@ def step_batch(cm, a: np.ndarray, space: StrategySpace, detail: bool = False,
               groups=mesh_groups(tp, ep, np.maximum(dp, 1), pp, cm.mesh.gpus_per_node),
               hidden=cm.hidden, top_k=cm.top_k, num_experts=cm.num_experts,
               weight_bytes=cm.weight_bytes, act_bytes=cm.act_bytes,
-              kv_bytes=cm.kv_bytes, gemm_peak=cm.hw.peak_flops(cm.fp8_gemm),
+              kv_bytes=cm.kv_bytes, ssm_bytes=cm.ssm_bytes, gemm_peak=cm.hw.peak_flops(cm.fp8_gemm),
               detail=detail, expert_imbalance=imb, fp8_dispatch=cm.fp8_dispatch,
               moe_layouts=cm.moe_layouts, kernels=cm.kernels,
               redundant_experts=int(wl.redundant_experts), fp8_scaling=wl.fp8_scaling)

@@ -191,7 +191,22 @@ def trace_program(model: nn.Module, example_inputs: tuple, name: str = "",
     max_pos = max_positions(model)
     if max_pos:
         graph.config["max_position_embeddings"] = max_pos
+    graph.config.update(state_dtype_facts(model))
     return graph, ep
+
+
+def state_dtype_facts(model: nn.Module) -> dict:
+    """The config facts the recurrent state's dtype rule reads
+    (:func:`shardc.ir.recurrent.ssm_state_bytes`): ``model_type`` and, when the config names
+    one, ``mamba_ssm_cache_dtype`` (strings, data only)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out = {}
+    for key in ("model_type", "mamba_ssm_cache_dtype"):
+        value = getattr(text, key, None)
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
 
 
 def max_positions(model: nn.Module) -> int | None:

@@ -412,6 +412,9 @@ def _config(graph: Graph) -> dict:
     cfg: dict = {}
     if graph.config.get("max_position_embeddings"):  # set by the frontend from the model config
         cfg["max_position_embeddings"] = int(graph.config["max_position_embeddings"])
+    for key in ("model_type", "mamba_ssm_cache_dtype"):  # the recurrent state's dtype rule
+        if isinstance(graph.config.get(key), str):
+            cfg[key] = graph.config[key]
     emb, head = graph.global_op("embedding"), graph.global_op("lm_head")
     cfg["vocab"] = emb.in_features if emb else head.out_features if head else 0
     cfg["hidden"] = emb.out_features if emb else head.in_features if head else 0
