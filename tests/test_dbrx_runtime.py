@@ -58,9 +58,13 @@ def _walks(degrees: dict, c1: str, c2: str) -> dict:
 
 
 def _worker(rank, world, port, cases, out_dir):
+    from shardc.testing.launch import run_cases
+
+    run_cases(rank, world, port, out_dir, cases, _run_case)
+
+
+def _run_case(name) -> dict:
     import copy
-    import json
-    import os
 
     import torch
     import torch.distributed as dist
@@ -71,38 +75,23 @@ def _worker(rank, world, port, cases, out_dir):
     from shardc.runtime.generate import fast_generate
     from shardc.runtime.local_ops import Group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = []
-    try:
-        for name in cases:
-            degrees, c1, c2 = CASES[name]
-            try:
-                model = _model()
-                ids, mask = prompts(model.config.vocab_size)
-                want = reference_greedy(copy.deepcopy(model), ids, mask, NEW)
-                dims = [d for d in ("ep", "tp") if d in degrees]
-                shape = [degrees[d] for d in dims]
-                if world != 1 and len(dims) == 1 and shape == [1]:
-                    raise ValueError(name)
-                mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(dims))
-                ep = Group(mesh["ep"] if "ep" in dims else None)
-                tp = Group(mesh["tp"] if degrees.get("tp", 1) > 1 else None)
-                _place(model, ep, tp)
-                fast = FastModel(model, mesh, _walks(degrees, c1, c2),
-                                 {"moe_block": list(range(len(model.transformer.blocks)))})
-                got = fast_generate(fast, ids, NEW, attention_mask=mask)
-                results.append({"equal": bool(torch.equal(got, want)),
-                                "got": got[:, PROMPT:].tolist(), "want": want[:, PROMPT:].tolist()})
-            except Exception as e:  # reported per case
-                import traceback
-
-                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    degrees, c1, c2 = CASES[name]
+    model = _model()
+    ids, mask = prompts(model.config.vocab_size)
+    want = reference_greedy(copy.deepcopy(model), ids, mask, NEW)
+    dims = [d for d in ("ep", "tp") if d in degrees]
+    shape = [degrees[d] for d in dims]
+    if dist.get_world_size() != 1 and len(dims) == 1 and shape == [1]:
+        raise ValueError(name)
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(dims))
+    ep = Group(mesh["ep"] if "ep" in dims else None)
+    tp = Group(mesh["tp"] if degrees.get("tp", 1) > 1 else None)
+    _place(model, ep, tp)
+    fast = FastModel(model, mesh, _walks(degrees, c1, c2),
+                     {"moe_block": list(range(len(model.transformer.blocks)))})
+    got = fast_generate(fast, ids, NEW, attention_mask=mask)
+    return {"equal": bool(torch.equal(got, want)),
+            "got": got[:, PROMPT:].tolist(), "want": want[:, PROMPT:].tolist()}
 
 
 def test_clip_qkv_changes_the_tiny_models_tokens():

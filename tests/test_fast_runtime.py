@@ -18,7 +18,6 @@ dominates). A sampled run is checked for agreement across ranks and determinism.
 from __future__ import annotations
 
 import copy
-import json
 import time
 
 import pytest
@@ -115,58 +114,43 @@ def assert_unsharded_tokens(per_rank: list, logits_tol: float | None = None) -> 
 
 
 def _worker(rank, world, port, payloads, out_dir):
-    import os
+    from shardc.testing.launch import run_cases
 
-    import torch.distributed as dist
+    run_cases(rank, world, port, out_dir, payloads, _run_case)
+
+
+def _run_case(p: dict) -> dict:
+    """One plan on this rank: the file's own greedy ``generate`` against the unsharded
+    model's, and a sampled run twice (same seed, same tokens)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardc.backends.verify import _build, _vocab
     from shardc.runtime.fast import FastModel
     from shardc.runtime.generate import fast_generate as generate
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = []
-    try:
-        for p in payloads:
-            try:
-                t0 = time.perf_counter()
-                ns: dict = {}
-                exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-                torch.manual_seed(0)
-                model, _ = _build(p["model"], BATCH, PROMPT)
-                ref_model = copy.deepcopy(model)
-                ids, mask = prompts(_vocab(model))
-                want = reference_greedy(ref_model, ids, mask, NEW)
-                t1 = time.perf_counter()
-                mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                                        mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-                model = ns["parallelize"](model, world_mesh=mesh)
-                assert ns["WALKS"] == p["walks"]  # the file's data is the contract's walk
-                t2 = time.perf_counter()
-                got = ns["generate"](model, ids, NEW, attention_mask=mask)  # the file's own
-                t3 = time.perf_counter()
-                assert type(model._shardc_fast).__name__ == "FastModel"  # inlined class
-                fast = FastModel(model, mesh, p["walks"], ns["LAYER_KINDS"])
-                s1 = generate(fast, ids, 8, attention_mask=mask, temperature=0.8, top_k=20,
-                              seed=5)
-                s2 = ns["generate"](model, ids, 8, attention_mask=mask, temperature=0.8,
-                                    top_k=20, seed=5)
-                results.append({"equal": bool(torch.equal(got, want)),
-                                "got": got[:, PROMPT:].tolist(),
-                                "want": want[:, PROMPT:].tolist(),
-                                "sampled": s1[:, PROMPT:].tolist(),
-                                "sampled_repeat": bool(torch.equal(s1, s2)),
-                                "seconds": [t1 - t0, t2 - t1, t3 - t2]})
-            except Exception as e:  # reported per case
-                import traceback
-
-                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    t0 = time.perf_counter()
+    ns: dict = {}
+    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+    torch.manual_seed(0)
+    model, _ = _build(p["model"], BATCH, PROMPT)
+    ref_model = copy.deepcopy(model)
+    ids, mask = prompts(_vocab(model))
+    want = reference_greedy(ref_model, ids, mask, NEW)
+    t1 = time.perf_counter()
+    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+    model = ns["parallelize"](model, world_mesh=mesh)
+    assert ns["WALKS"] == p["walks"]  # the file's data is the contract's walk
+    t2 = time.perf_counter()
+    got = ns["generate"](model, ids, NEW, attention_mask=mask)  # the file's own
+    t3 = time.perf_counter()
+    assert type(model._shardc_fast).__name__ == "FastModel"  # inlined class
+    fast = FastModel(model, mesh, p["walks"], ns["LAYER_KINDS"])
+    s1 = generate(fast, ids, 8, attention_mask=mask, temperature=0.8, top_k=20, seed=5)
+    s2 = ns["generate"](model, ids, 8, attention_mask=mask, temperature=0.8, top_k=20, seed=5)
+    return {"equal": bool(torch.equal(got, want)), "got": got[:, PROMPT:].tolist(),
+            "want": want[:, PROMPT:].tolist(), "sampled": s1[:, PROMPT:].tolist(),
+            "sampled_repeat": bool(torch.equal(s1, s2)), "seconds": [t1 - t0, t2 - t1, t3 - t2]}
 
 
 @pytest.fixture(scope="module")

@@ -67,59 +67,47 @@ def row_reference(model, ids: torch.Tensor, mask: torch.Tensor, new: int):
 
 
 def _worker(rank, world, port, payloads, out_dir):
-    import copy
-    import json
-    import os
+    from shardc.testing.launch import run_cases
 
-    import torch.distributed as dist
+    run_cases(rank, world, port, out_dir, payloads, _run_case)
+
+
+def _run_case(p) -> dict:
+    import copy
+
     from test_fast_runtime import NEW, PROMPT, prompts
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardc.backends.verify import _build, _vocab
     from shardc.runtime.generate import decode_step, left_padding
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = []
-    try:
-        for p in payloads:
-            try:
-                ns: dict = {}
-                exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-                torch.manual_seed(0)
-                model, _ = _build(p["model"], 4, PROMPT)
-                ids, mask = prompts(_vocab(model))
-                want, ref_logits = row_reference(copy.deepcopy(model), ids, mask, NEW)
-                mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                                        mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-                model = ns["parallelize"](model, world_mesh=mesh)
-                got = ns["generate"](model, ids, NEW, attention_mask=mask)
-                fast = model._shardc_fast
-                g = fast.batch
-                rows = slice(g.rank * 4 // g.size, (g.rank + 1) * 4 // g.size)
-                cache = fast.new_cache(rows.stop - rows.start, PROMPT + 2)
-                err = 0.0
-                with torch.no_grad():
-                    cache.reset(left_padding(mask)[rows])
-                    first = fast.forward(ids[rows], cache, torch.arange(PROMPT), PROMPT, True)
-                    cache.advance(PROMPT)
-                    second = decode_step(fast, cache, want[rows, PROMPT:PROMPT + 1])
-                if first is not None:  # the last pipeline stage
-                    for i, y in enumerate((first, second)):
-                        ref = ref_logits[rows, i]
-                        err = max(err, float((y[:, -1] - ref).abs().max() / ref.abs().max()))
-                results.append({"equal": bool(torch.equal(got, want)),
-                                "got": got[:, PROMPT:].tolist(),
-                                "want": want[:, PROMPT:].tolist(), "logits_error": err})
-            except Exception as e:  # reported per case
-                import traceback
-
-                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    ns: dict = {}
+    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+    torch.manual_seed(0)
+    model, _ = _build(p["model"], 4, PROMPT)
+    ids, mask = prompts(_vocab(model))
+    want, ref_logits = row_reference(copy.deepcopy(model), ids, mask, NEW)
+    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+    model = ns["parallelize"](model, world_mesh=mesh)
+    got = ns["generate"](model, ids, NEW, attention_mask=mask)
+    fast = model._shardc_fast
+    g = fast.batch
+    rows = slice(g.rank * 4 // g.size, (g.rank + 1) * 4 // g.size)
+    cache = fast.new_cache(rows.stop - rows.start, PROMPT + 2)
+    err = 0.0
+    with torch.no_grad():
+        cache.reset(left_padding(mask)[rows])
+        first = fast.forward(ids[rows], cache, torch.arange(PROMPT), PROMPT, True)
+        cache.advance(PROMPT)
+        second = decode_step(fast, cache, want[rows, PROMPT:PROMPT + 1])
+    if first is not None:  # the last pipeline stage
+        for i, y in enumerate((first, second)):
+            ref = ref_logits[rows, i]
+            err = max(err, float((y[:, -1] - ref).abs().max() / ref.abs().max()))
+    return {"equal": bool(torch.equal(got, want)),
+            "got": got[:, PROMPT:].tolist(),
+            "want": want[:, PROMPT:].tolist(), "logits_error": err}
 
 
 @pytest.fixture(scope="module")

@@ -161,51 +161,38 @@ def _logits_error(fast, ref_model, ids, mask, want) -> float:
 
 
 def _worker(rank, world, port, payloads, out_dir):
+    from shardc.testing.launch import run_cases
+
+    run_cases(rank, world, port, out_dir, payloads, _run_case)
+
+
+def _run_case(p) -> dict:
     """Per case: the plan file's own greedy ``generate`` against the unsharded model's (as
     ``test_fast_runtime``), and the runtime's logits (:func:`_logits_error`): the greedy
     tokens of a tiny random model can be blind to a wrong scale or rotation."""
     import copy
-    import json
-    import os
 
     import torch
-    import torch.distributed as dist
     from test_fast_runtime import NEW, PROMPT, prompts, reference_greedy
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardc.backends.verify import _build, _vocab
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = []
-    try:
-        for p in payloads:
-            try:
-                ns: dict = {}
-                exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-                torch.manual_seed(0)
-                model, _ = _build(p["model"], 4, PROMPT)
-                ref_model = copy.deepcopy(model)
-                ids, mask = prompts(_vocab(model))
-                want = reference_greedy(ref_model, ids, mask, NEW)
-                mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                                        mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-                model = ns["parallelize"](model, world_mesh=mesh)
-                got = ns["generate"](model, ids, NEW, attention_mask=mask)
-                results.append({"equal": bool(torch.equal(got, want)),
-                                "got": got[:, PROMPT:].tolist(),
-                                "want": want[:, PROMPT:].tolist(),
-                                "logits_error": _logits_error(model._shardc_fast, ref_model,
-                                                              ids, mask, want)})
-            except Exception as e:  # reported per case
-                import traceback
-
-                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    ns: dict = {}
+    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+    torch.manual_seed(0)
+    model, _ = _build(p["model"], 4, PROMPT)
+    ref_model = copy.deepcopy(model)
+    ids, mask = prompts(_vocab(model))
+    want = reference_greedy(ref_model, ids, mask, NEW)
+    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+    model = ns["parallelize"](model, world_mesh=mesh)
+    got = ns["generate"](model, ids, NEW, attention_mask=mask)
+    return {"equal": bool(torch.equal(got, want)),
+            "got": got[:, PROMPT:].tolist(),
+            "want": want[:, PROMPT:].tolist(),
+            "logits_error": _logits_error(model._shardc_fast, ref_model, ids, mask, want)}
 
 
 @pytest.fixture(scope="module")

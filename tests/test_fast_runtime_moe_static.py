@@ -47,11 +47,14 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 
 def _worker(rank, world, port, payloads, out_dir):
-    import copy
-    import json
-    import os
+    from shardc.testing.launch import run_cases
 
-    import torch.distributed as dist
+    run_cases(rank, world, port, out_dir, payloads, _run_case)
+
+
+def _run_case(p) -> dict:
+    import copy
+
     from test_fast_runtime import NEW, PROMPT, prompts, reference_greedy
     from test_fast_runtime_gpt_moe import row_reference
     from torch.distributed.device_mesh import init_device_mesh
@@ -60,54 +63,39 @@ def _worker(rank, world, port, payloads, out_dir):
     from shardc.runtime.fast import FastModel
     from shardc.runtime.generate import decode_step, fast_generate, left_padding
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = []
-    try:
-        for p in payloads:
-            try:
-                ns: dict = {}
-                exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-                torch.manual_seed(0)
-                model, _ = _build(p["model"], 4, PROMPT)
-                ids, mask = prompts(_vocab(model))
-                ref = copy.deepcopy(model)
-                want = row_reference(ref, ids, mask, NEW)[0] if p["model"] == GPT_MOE \
-                    else reference_greedy(ref, ids, mask, NEW)
-                mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                                        mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-                model = ns["parallelize"](model, world_mesh=mesh)
-                fast = FastModel(model, mesh, ns["WALKS"], ns["LAYER_KINDS"])
-                moe = [lay.experts for lay in fast.layers.values() if lay.experts is not None]
-                assert moe and all(e.capture_safe and not e.static for e in moe)  # CPU: off
-                assert not fast.graphable
-                reads = {}
-                for static in (False, True):
-                    for e in moe:
-                        e.static = static
-                    cache = fast.new_cache(4, PROMPT + 2)
-                    cache.reset(left_padding(mask))
-                    with torch.no_grad():
-                        fast.forward(ids, cache, torch.arange(PROMPT), PROMPT, True)
-                        cache.advance(PROMPT)
-                        with _HostReads() as rec:
-                            decode_step(fast, cache, want[:, PROMPT:PROMPT + 1])
-                    reads[static] = sorted(set(rec.seen))
-                got = fast_generate(fast, ids, NEW, attention_mask=mask)
-                results.append({"equal": bool(torch.equal(got, want)),
-                                "got": got[:, PROMPT:].tolist(),
-                                "want": want[:, PROMPT:].tolist(),
-                                "graphable": fast.graphable, "reads": reads[True],
-                                "eager_reads": reads[False]})
-            except Exception as e:  # reported per case
-                import traceback
-
-                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    ns: dict = {}
+    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+    torch.manual_seed(0)
+    model, _ = _build(p["model"], 4, PROMPT)
+    ids, mask = prompts(_vocab(model))
+    ref = copy.deepcopy(model)
+    want = row_reference(ref, ids, mask, NEW)[0] if p["model"] == GPT_MOE \
+        else reference_greedy(ref, ids, mask, NEW)
+    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+    model = ns["parallelize"](model, world_mesh=mesh)
+    fast = FastModel(model, mesh, ns["WALKS"], ns["LAYER_KINDS"])
+    moe = [lay.experts for lay in fast.layers.values() if lay.experts is not None]
+    assert moe and all(e.capture_safe and not e.static for e in moe)  # CPU: off
+    assert not fast.graphable
+    reads = {}
+    for static in (False, True):
+        for e in moe:
+            e.static = static
+        cache = fast.new_cache(4, PROMPT + 2)
+        cache.reset(left_padding(mask))
+        with torch.no_grad():
+            fast.forward(ids, cache, torch.arange(PROMPT), PROMPT, True)
+            cache.advance(PROMPT)
+            with _HostReads() as rec:
+                decode_step(fast, cache, want[:, PROMPT:PROMPT + 1])
+        reads[static] = sorted(set(rec.seen))
+    got = fast_generate(fast, ids, NEW, attention_mask=mask)
+    return {"equal": bool(torch.equal(got, want)),
+            "got": got[:, PROMPT:].tolist(),
+            "want": want[:, PROMPT:].tolist(),
+            "graphable": fast.graphable, "reads": reads[True],
+            "eager_reads": reads[False]}
 
 
 @pytest.fixture(scope="module")

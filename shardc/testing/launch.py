@@ -63,3 +63,31 @@ def launch(worker: Callable, world: int, args: tuple, timeout_s: float = 900,
             else:
                 per_rank.append([])
     return per_rank
+
+
+def run_cases(rank: int, world: int, port: int, out_dir: str, cases: Sequence,
+              run_case: Callable[[object], dict]) -> None:
+    """The body of a gloo rank that runs ``cases`` one by one: rendezvous on
+    ``127.0.0.1:port`` (one thread per rank), ``run_case(case)`` for each -- its dict, or
+    ``{"error": <type: message + traceback>}`` when it raised (the other cases still run) --
+    then the group is torn down and the list written to ``out_dir/rank<r>.json`` (what
+    :func:`launch` reads back)."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = []
+    try:
+        for case in cases:
+            try:
+                results.append(run_case(case))
+            except Exception as e:  # reported per case
+                results.append({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
