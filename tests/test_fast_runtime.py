@@ -113,6 +113,29 @@ def assert_unsharded_tokens(per_rank: list, logits_tol: float | None = None) -> 
     assert all(res["got"] == per_rank[0]["got"] for res in per_rank)
 
 
+def plan_file_and_model(p: dict, batch: int = BATCH):
+    """A payload's plan file (``p["code"]`` executed: its namespace), the tiny model built
+    from seed 0 for ``batch`` x :data:`PROMPT` tokens, and its left-padded prompts."""
+    from shardc.backends.verify import _build, _vocab
+
+    ns: dict = {}
+    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
+    torch.manual_seed(0)
+    model, _ = _build(p["model"], batch, PROMPT)
+    ids, mask = prompts(_vocab(model))
+    return ns, model, ids, mask
+
+
+def placed(ns: dict, model):
+    """``model`` placed by the plan file's own ``parallelize`` on the file's mesh, and the
+    mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
+                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
+    return ns["parallelize"](model, world_mesh=mesh), mesh
+
+
 def _worker(rank, world, port, payloads, out_dir):
     from shardc.testing.launch import run_cases
 
@@ -122,24 +145,14 @@ def _worker(rank, world, port, payloads, out_dir):
 def _run_case(p: dict) -> dict:
     """One plan on this rank: the file's own greedy ``generate`` against the unsharded
     model's, and a sampled run twice (same seed, same tokens)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from shardc.backends.verify import _build, _vocab
     from shardc.runtime.fast import FastModel
     from shardc.runtime.generate import fast_generate as generate
 
     t0 = time.perf_counter()
-    ns: dict = {}
-    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-    torch.manual_seed(0)
-    model, _ = _build(p["model"], BATCH, PROMPT)
-    ref_model = copy.deepcopy(model)
-    ids, mask = prompts(_vocab(model))
-    want = reference_greedy(ref_model, ids, mask, NEW)
+    ns, model, ids, mask = plan_file_and_model(p)
+    want = reference_greedy(copy.deepcopy(model), ids, mask, NEW)
     t1 = time.perf_counter()
-    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-    model = ns["parallelize"](model, world_mesh=mesh)
+    model, mesh = placed(ns, model)
     assert ns["WALKS"] == p["walks"]  # the file's data is the contract's walk
     t2 = time.perf_counter()
     got = ns["generate"](model, ids, NEW, attention_mask=mask)  # the file's own

@@ -75,21 +75,13 @@ def _worker(rank, world, port, payloads, out_dir):
 def _run_case(p) -> dict:
     import copy
 
-    from test_fast_runtime import NEW, PROMPT, prompts
-    from torch.distributed.device_mesh import init_device_mesh
+    from test_fast_runtime import NEW, PROMPT, placed, plan_file_and_model
 
-    from shardc.backends.verify import _build, _vocab
     from shardc.runtime.generate import decode_step, left_padding
 
-    ns: dict = {}
-    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-    torch.manual_seed(0)
-    model, _ = _build(p["model"], 4, PROMPT)
-    ids, mask = prompts(_vocab(model))
+    ns, model, ids, mask = plan_file_and_model(p, 4)
     want, ref_logits = row_reference(copy.deepcopy(model), ids, mask, NEW)
-    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-    model = ns["parallelize"](model, world_mesh=mesh)
+    model, _ = placed(ns, model)
     got = ns["generate"](model, ids, NEW, attention_mask=mask)
     fast = model._shardc_fast
     g = fast.batch

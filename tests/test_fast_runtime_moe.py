@@ -173,21 +173,12 @@ def _run_case(p) -> dict:
     import copy
 
     import torch
-    from test_fast_runtime import NEW, PROMPT, prompts, reference_greedy
-    from torch.distributed.device_mesh import init_device_mesh
+    from test_fast_runtime import NEW, PROMPT, placed, plan_file_and_model, reference_greedy
 
-    from shardc.backends.verify import _build, _vocab
-
-    ns: dict = {}
-    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-    torch.manual_seed(0)
-    model, _ = _build(p["model"], 4, PROMPT)
+    ns, model, ids, mask = plan_file_and_model(p, 4)
     ref_model = copy.deepcopy(model)
-    ids, mask = prompts(_vocab(model))
     want = reference_greedy(ref_model, ids, mask, NEW)
-    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-    model = ns["parallelize"](model, world_mesh=mesh)
+    model, _ = placed(ns, model)
     got = ns["generate"](model, ids, NEW, attention_mask=mask)
     return {"equal": bool(torch.equal(got, want)),
             "got": got[:, PROMPT:].tolist(),

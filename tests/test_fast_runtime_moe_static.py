@@ -55,25 +55,17 @@ def _worker(rank, world, port, payloads, out_dir):
 def _run_case(p) -> dict:
     import copy
 
-    from test_fast_runtime import NEW, PROMPT, prompts, reference_greedy
+    from test_fast_runtime import NEW, PROMPT, placed, plan_file_and_model, reference_greedy
     from test_fast_runtime_gpt_moe import row_reference
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from shardc.backends.verify import _build, _vocab
     from shardc.runtime.fast import FastModel
     from shardc.runtime.generate import decode_step, fast_generate, left_padding
 
-    ns: dict = {}
-    exec(compile(p["code"], "<parallelize.py>", "exec"), ns)
-    torch.manual_seed(0)
-    model, _ = _build(p["model"], 4, PROMPT)
-    ids, mask = prompts(_vocab(model))
+    ns, model, ids, mask = plan_file_and_model(p, 4)
     ref = copy.deepcopy(model)
     want = row_reference(ref, ids, mask, NEW)[0] if p["model"] == GPT_MOE \
         else reference_greedy(ref, ids, mask, NEW)
-    mesh = init_device_mesh("cpu", tuple(ns["MESH_SHAPE"]),
-                            mesh_dim_names=tuple(ns["MESH_DIM_NAMES"]))
-    model = ns["parallelize"](model, world_mesh=mesh)
+    model, mesh = placed(ns, model)
     fast = FastModel(model, mesh, ns["WALKS"], ns["LAYER_KINDS"])
     moe = [lay.experts for lay in fast.layers.values() if lay.experts is not None]
     assert moe and all(e.capture_safe and not e.static for e in moe)  # CPU: off
