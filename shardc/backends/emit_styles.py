@@ -42,7 +42,7 @@ _TORCH_NAMES = {"ColwiseParallel": "torch.distributed.tensor.parallel",
                 "Replicate": "torch.distributed.tensor", "Shard": "torch.distributed.tensor"}
 _RUNTIME_NAMES = ("BatchSplitAttention", "CoreRowsAttention", "ExpertParallel",
                   "FullWidthNormParallel", "GatheredExperts", "GroupedKVAttention",
-                  "HeadParallelAttention", "PrepareHiddenStates",
+                  "HeadParallelAttention", "HeadSlices", "PrepareHiddenStates",
                   "ReplicateParallel", "RouterParallel",
                   "WeightColwiseParallel", "WeightRowwiseParallel",
                   "decoder_layers", "install_batch_split", "keep_stage",

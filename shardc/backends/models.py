@@ -65,6 +65,8 @@ class MoESite:
     routing: str | None = "softmax_topk"  # see routing_kind()
     # DBRX: the experts' weights stored fused on ``experts.mlp`` (w1, v1, w2: [E * f, h])
     fused: tuple[str, ...] = ()
+    # GPT-OSS: per-expert biases ([E, 2f], [E, h]) of the two matmuls, on ``experts``
+    biases: tuple[str, ...] = ()
 
 
 @dataclass
@@ -87,7 +89,8 @@ def routing_kind(router: nn.Module) -> str | None:
     not renormalised); ``sparsemixer``: Phi-3.5-MoE (top-2 by successive masked maxima);
     ``softmax_topk``: softmax over the experts then top-k, renormalised unless the router's
     ``norm_topk_prob`` is False (Mixtral, Qwen-MoE, OLMoE); ``softmax_topk_plain``: the same
-    without renormalisation (a router with no ``norm_topk_prob`` that never sums). Read
+    without renormalisation (a router with no ``norm_topk_prob`` that never sums);
+    ``topk_softmax``: GPT-OSS (the top-k of the scores, then a softmax over those k). Read
     from the router's attributes and the source of its ``forward`` (as transformers itself
     inspects model sources), so a router computing something else is refused, not guessed."""
     import inspect
@@ -103,6 +106,8 @@ def routing_kind(router: nn.Module) -> str | None:
         return None
     if "sparsemixer(" in src and int(getattr(router, "top_k", 2)) == 2:
         return "sparsemixer"
+    if "softmax" in src and "topk" in src and src.index("topk") < src.index("softmax"):
+        return "topk_softmax"  # GPT-OSS: the top-k of the scores, a softmax over those k
     if "softmax" in src and "topk" in src and src.index("softmax") < src.index("topk"):
         after = src[src.index("topk"):]
         renormalises = hasattr(router, "norm_topk_prob") or ".sum(" in after
@@ -163,7 +168,11 @@ class HFCausalLM:
         if hasattr(mlp, "experts"):
             ex = mlp.experts
             names = sorted(n for n, _ in ex.named_parameters())
-            if names != ["down_proj", "gate_up_proj"] or not hasattr(ex, "act_fn"):
+            biases = ("gate_up_proj_bias", "down_proj_bias") if names == [
+                "down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"] and \
+                callable(getattr(ex, "_apply_gate", None)) else ()  # GPT-OSS: [E, in, out]
+            if not biases and (names != ["down_proj", "gate_up_proj"]
+                               or not hasattr(ex, "act_fn")):
                 raise InputError(f"{pre}.mlp.experts: {type(ex).__name__} holds {names} (the "
                                  "backend runs stacked gate_up_proj [E, 2f, h] and down_proj "
                                  "[E, h, f] with act_fn, no expert biases)")
@@ -176,9 +185,12 @@ class HFCausalLM:
                 shared = ([(sh.gate_proj, f"{sp}.gate_proj"), (sh.up_proj, f"{sp}.up_proj")],
                           (sh.down_proj, f"{sp}.down_proj"), sh)
             sites.moe = MoESite(mlp, f"{pre}.mlp", (router, f"{pre}.mlp.{gate_name}"), ex,
-                                "gate_up_proj", "down_proj", True, True, ex.act_fn,
-                                int(getattr(mlp, "top_k", cfg.num_experts_per_tok)),
-                                int(ex.num_experts), shared, routing_kind(router))
+                                "gate_up_proj", "down_proj", not biases, True,
+                                getattr(ex, "_apply_gate", None) or ex.act_fn,
+                                int(getattr(mlp, "top_k", None) or getattr(router, "top_k", None)
+                                    or cfg.num_experts_per_tok),
+                                int(ex.num_experts), shared, routing_kind(router),
+                                biases=biases)
         else:
             sites.mlp = ([(mlp.gate_proj, f"{pre}.mlp.gate_proj"),
                           (mlp.up_proj, f"{pre}.mlp.up_proj")],

@@ -79,6 +79,9 @@ def _owned(ad) -> tuple[set[str], str | None]:
         att = site.attention
         for mod, pre in att.qkv + [att.out] + att.down + att.down_norms + att.qk_norms:
             owned |= _params_of(mod, pre)
+        sinks = getattr(att.module, "sinks", None)  # GPT-OSS: a learned logit per head
+        if sinks is not None and tuple(getattr(sinks, "shape", ())) == (att.heads,):
+            owned.add(f"{att.qkv[0][1].rsplit('.', 1)[0]}.sinks")
         problem = _attention_problem(att, ad.family)
         if problem:
             return owned, f"layer {i}: {problem}"
@@ -90,11 +93,14 @@ def _owned(ad) -> tuple[set[str], str | None]:
                 owned |= _params_of(mod, pre)
         if site.moe is not None:
             moe = site.moe
-            owned |= _params_of(moe.router[0], moe.router[1], ["weight"])
+            owned |= _params_of(moe.router[0], moe.router[1], ["weight"] + (
+                ["bias"] if getattr(moe.router[0], "bias", None) is not None and moe.biases
+                else []))  # GPT-OSS's router adds a bias to its scores
             if moe.fused:  # DBRX: experts.mlp.{w1, v1, w2}
                 owned |= _params_of(moe.experts, f"{moe.prefix}.experts.mlp", moe.fused)
-            else:
-                owned |= _params_of(moe.experts, f"{moe.prefix}.experts", [moe.w1, moe.w2])
+            else:  # GPT-OSS: their biases too ([E, 2f], [E, h]: split with the weights)
+                owned |= _params_of(moe.experts, f"{moe.prefix}.experts",
+                                    [moe.w1, moe.w2, *moe.biases])
             if moe.shared is not None:
                 ffn1, ffn2, _ = moe.shared
                 for mod, pre in ffn1 + [ffn2]:
@@ -160,25 +166,34 @@ def _has_fused_experts(plan) -> bool:
     return any(n > 1 for n in seen.values())
 
 
+def _has_biased_experts(plan) -> bool:
+    """Whether ``plan``'s params rows list expert biases (GPT-OSS: ``[E, out]`` rows of the
+    expert ops, :mod:`shardc.ir.param_roles`)."""
+    return any(r.get("op") in ("expert_ffn1", "expert_ffn2") and len(r.get("shape", ())) == 2
+               and r.get("expert_dim") == 0 for r in plan.params)
+
+
 def fused_experts_verdict(verdict: dict, plans) -> dict:
     """plan.json ``backend`` once the plans are known, for a model whose experts are stored
-    fused (DBRX: :mod:`shardc.backends.fused_styles`): runs False, naming the plan's choice,
-    when ``parallelize.py`` does not place them as some plan of ``plans`` chose (the pairs
-    other than col/row and rep/rep over tp; a re-split other than col/row); else
-    ``verdict``."""
+    fused (DBRX: :mod:`shardc.backends.fused_styles`) or carry biases (GPT-OSS): runs False,
+    naming the plan's choice, when ``parallelize.py`` does not place them as some plan of
+    ``plans`` chose (the pairs other than col/row and rep/rep over tp; for fused experts a
+    re-split other than col/row, for biased ones any re-split); else ``verdict``."""
     if not verdict.get("runs", True):
         return verdict
     from shardc.backends.torch_styles import NotCovered, style_plan
 
     for plan in plans:
-        if not _has_fused_experts(plan):
+        fused, biased = _has_fused_experts(plan), _has_biased_experts(plan)
+        if not (fused or biased):
             continue
         try:
             style_plan(plan)
         except NotCovered as e:
             name = str((plan.model or {}).get("name") or "the model")
+            what = "experts stored fused" if fused else "experts with biases"
             return {"runs": False, "reason": f"{name}: the DTensor backend does not run this "
-                    f"plan's experts stored fused ({e})"}
+                    f"plan's {what} ({e})"}
     return verdict
 
 

@@ -176,6 +176,9 @@ def style_plan(plan) -> StylePlan:
                 _branch_entries(kp, branch, w, lm, res)
         if "expert_ffn1" in lm.ops:
             any_experts = True
+            if deg.experts_resplit and expert_biases(lm):
+                raise NotCovered(f"{kind}: experts with biases re-split moe_tp={deg.moe_tp} x "
+                                 f"moe_ep={deg.moe_ep} (they run on the tp x ep mesh)")
             kp.experts = (gathered_entry(str(kind), lm, choice, deg)
                           if deg.experts_resplit else
                           _experts_entry(str(kind), lm, choice, deg, res))
@@ -217,10 +220,15 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
     second = [(n, r) for _, n, r in lm.params_of("expert_ffn2") if len(r["shape"]) == 3]
     if len(mods) == 1 and len(first) == 2 and len(second) == 1:
         return fused_experts_entry(kind, mods[0], first + second, (f1, f2), deg, res)
+    biases = expert_biases(lm)
     if len(mods) != 1 or len(first) != 1 or len(second) != 1 or \
-            len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != 2:
-        raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul, "
-                         "no biases, is covered")
+            len(lm.params_of("expert_ffn1")) + len(lm.params_of("expert_ffn2")) != \
+            2 + len(biases):
+        raise NotCovered(f"{kind}: experts in {mods}: one stacked weight per expert matmul "
+                         "(and GPT-OSS's [E, out] biases) is covered")
+    if biases and tp > 1 and (f1, f2) not in ((0, 1), (2, 2)):
+        raise NotCovered(f"{kind}: experts with biases run col/row or rep/rep over tp (not "
+                         f"{CHOICE_NAMES['expert_ffn1'][f1]}/{CHOICE_NAMES['expert_ffn2'][f2]})")
     (n1, r1), (n2, r2) = first[0], second[0]
     if r1.get("expert_dim") != 0 or r2.get("expert_dim") != 0:
         raise NotCovered(f"{kind}: experts stacked on a dim other than 0")
@@ -250,6 +258,10 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
     if parts1:  # equal parts: the style's count form
         parts1 = (len(parts1),) if len(set(parts1)) == 1 else parts1
     weights = {str(n1): (dims[0], parts1), str(n2): (dims[1], ())}
+    # GPT-OSS: the first bias cut with its weight's output features, the second whole over
+    # tp -- Partial under a row split (added once to the partial sums)
+    weights.update({str(n): (1 if op == "expert_ffn1" else None, ()) for n, op in biases})
+    partial = tuple(str(n) for n, op in biases if op == "expert_ffn2" and split)
     args = [f"tp_split={split}"]
     if weights != HF_EXPERT_WEIGHTS:  # names from the plan: literals; dims and widths: ints
         items = ", ".join(f"{_literal(k)}: ({d}, {tuple(int(w) for w in ps)!r})"
@@ -262,9 +274,19 @@ def _experts_entry(kind: str, lm: LayerModules, choice, deg, res) -> Entry | Non
             args.append("in_out=True")
     if split and res != "R":
         args.append("token_rows=True")
+    if partial:
+        args.append(f"partial={_literal(partial)}")
+        what += "; the down-projection bias on tp rank 0 (Partial)"
     if deg.ep > 1 or tp > 1:
         return Entry(mods[0], f"ExpertParallel({', '.join(args)})", what)
     return None
+
+
+def expert_biases(lm: LayerModules) -> list[tuple[str, str]]:
+    """(parameter name, op) of the layer's expert biases: ``[E, out]`` rows of the expert
+    ops (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``, :mod:`shardc.ir.param_roles`)."""
+    return [(n, op) for op in ("expert_ffn1", "expert_ffn2") for _, n, r in lm.params_of(op)
+            if len(r["shape"]) == 2 and r.get("expert_dim") == 0]
 
 
 def _rows(p: str) -> str:
@@ -362,6 +384,8 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
                                            f"{kp.kv_replicas}" if mod in kv_mods else "")))
             if qkv.after == "S(1)":
                 _heads_split(kp, lm, attn)
+        if core.choice.name == "heads":
+            _head_vectors(kp, lm, attn)
         code = _style("out_proj", out, core.produced)
         for mod in lm.ops.get("out_proj", []) if code else []:
             kp.entries.append(Entry(mod, _for_weight(code, lm.weight_of(mod)),
@@ -379,6 +403,24 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
                                     f"{op} {s.choice.name}: " + _collectives(
                                         src, s.need, s.produced, s.after)))
         src = s.after
+
+
+def _head_vectors(kp: KindPlan, lm: LayerModules, attn: str) -> None:
+    """A heads split of an attention module holding per-head vectors (GPT-OSS's sinks: the
+    ``attn_core`` params rows on the module itself): ``HeadSlices`` cuts them to this
+    rank's heads, wrapping the module's other style (one style per module). Names enter
+    the code as literals."""
+    names = tuple(n for m, n, r in lm.params_of("attn_core")
+                  if m == attn and len(r["shape"]) == 1 and r.get("split_dims", [None])[0] == 0)
+    if not names:
+        return
+    note = f"attn_core heads: {', '.join(names)} cut to this rank's heads"
+    prep = next((e for e in kp.entries if e.suffix == attn), None)
+    if prep is None:
+        kp.entries.append(Entry(attn, f"HeadSlices({_literal(names)})", note))
+    else:
+        prep.style = f"HeadSlices({_literal(names)}, {prep.style})"
+        prep.comment += "; " + note
 
 
 def _kv_modules(kp: KindPlan, lm: LayerModules) -> dict[str, int]:

@@ -18,10 +18,17 @@ table as ``[vocab, hidden]``; where the widths tell the two apart (``in != out``
 * ``split_dims``: the tensor dim cut by choice 0 and by choice 1 (``OpChoice.weight_split``:
   ``out`` / ``in`` features, ``vocab`` / ``hidden`` of the embedding); a bias follows its
   output features (choice 0 cuts dim 0, choice 1 none);
-* ``expert_dim``: the stacked-expert dim (split over ep) or None;
+* ``expert_dim``: the stacked-expert dim (split over ep) or None; an expert bias ``[E,
+  out]`` (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``, gathered per routed row
+  beside the router) belongs to the expert op whose output it adds to, ``split_dims (1,
+  None)``;
 * ``parts``: widths (elements) of the equal-role parts packed along the output features of
   one parameter -- ``[q, k, v]`` of a packed qkv, ``[gate, up]`` of a packed gated FFN -- that a
-  column split must cut part by part; ``[]`` when not packed;
+  column split must cut part by part; ``[]`` when not packed, and for a gated FFN whose gate
+  and up features alternate (GPT-OSS: read back as ``[..., ::2]`` / ``[..., 1::2]``): a
+  contiguous cut keeps each (gate, up) pair on one rank;
+* a per-head vector of the attention (GPT-OSS's ``sinks [heads]``, read beside the scores):
+  ``op`` ``attn_core``, ``split_dims (0, None)`` (a heads split cuts it);
 * ``tied``: ``[(op, module path)]`` of the other fused ops reading the same (tied) weight
   through another module (GPT-2's and Gemma-2's ``lm_head`` reading the embedding table).
 """
@@ -92,8 +99,20 @@ def _weight_dims(n: Node, i: int, shape: list[int]) -> tuple[int | None, int | N
     return order[out_pos], order[in_pos]
 
 
+def _alternating(graph: Graph, layer: int | None, width: int) -> bool:
+    """Whether layer ``layer`` reads a ``width``-wide activation back as its even and odd
+    features (stride-2 slices of the last dim: gate / up interleaved, GPT-OSS's)."""
+    for n in graph.nodes:
+        s = n.attrs.get("scalars") or []
+        if n.layer == layer and n.target == "aten.slice.Tensor" and len(s) == 4 and \
+                s[3] == 2 and n.input_shapes and n.input_shapes[0] and \
+                int(n.input_shapes[0][-1]) == width and s[0] in (-1, len(n.input_shapes[0]) - 1):
+            return True
+    return False
+
+
 def _packed_parts(graph: Graph, kind: LayerKind | None, op: str, width: int,
-                  weights_in_op: int) -> list[int]:
+                  weights_in_op: int, layer: int | None = None) -> list[int]:
     """Widths of the parts one parameter of ``op`` packs (see the module docstring)."""
     if weights_in_op != 1 or kind is None:
         return []
@@ -108,7 +127,7 @@ def _packed_parts(graph: Graph, kind: LayerKind | None, op: str, width: int,
         parts = [q, kv * int(a.get("head_dim", 0)), kv * int(a.get("v_head_dim", a.get("head_dim", 0)))]
         return parts if sum(parts) == width and all(parts) else []
     if op in _GATED_FIRST and fused is not None and fused.attrs.get("gated") and width % 2 == 0:
-        return [width // 2, width // 2]
+        return [] if _alternating(graph, layer, width) else [width // 2, width // 2]
     return []
 
 
@@ -177,8 +196,12 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
             expert = next((d for d in range(len(shape)) if d not in (out_d, in_d)), None) \
                 if len(shape) == 3 else None
             parts = _packed_parts(graph, kind_of.get(n.layer), op, shape[out_d],
-                                  len(weights.get((n.layer, op), ())))
+                                  len(weights.get((n.layer, op), ())), n.layer)
             uses[p.fqn] = ParamUse(op, n.layer, (out_d, in_d), expert, parts)
+    shapes = {p.fqn: [int(d) for d in p.shape] for n in graph.nodes for p in n.params}
+    gathered = {p.fqn for n in graph.nodes if n.op == "gather_scatter" for p in n.params}
+    _expert_biases(uses, {f: sh for f, sh in shapes.items() if f in gathered}, shapes)
+    _head_vectors(graph, uses, kind_of, shapes)
     # a bias whose op is packed is packed the same way
     packed = {(u.layer, u.op): u.parts for u in uses.values() if u.parts
               and u.op != "attn_core"}  # a recurrent core's per-head vectors are not packed
@@ -187,6 +210,42 @@ def param_uses(graph: Graph) -> dict[str, ParamUse]:
             uses[fqn] = ParamUse(u.op, u.layer, u.split_dims, None, packed[(u.layer, u.op)],
                                  u.tied)
     return uses
+
+
+def _expert_biases(uses: dict[str, ParamUse], gathered: dict[str, list[int]],
+                   shapes: dict[str, list[int]]) -> None:
+    """Expert biases ``[E, out]`` (``gathered``: FQN -> shape of the parameters read by a
+    gather, per routed row, on the router's path) moved to the expert op whose stacked
+    weight (``E`` experts, ``out`` output features) they add to (in place)."""
+    weights = {(u.layer, u.op): (shapes[fqn][u.expert_dim], shapes[fqn][u.split_dims[0]])
+               for fqn, u in uses.items() if u.op in ("expert_ffn1", "expert_ffn2")
+               and u.expert_dim is not None and len(shapes.get(fqn, ())) == 3}
+    for fqn, u in list(uses.items()):
+        shape = gathered.get(fqn, [])
+        if u.op != "router" or len(shape) != 2:
+            continue
+        for op in ("expert_ffn1", "expert_ffn2"):
+            if weights.get((u.layer, op)) == (shape[0], shape[1]):
+                uses[fqn] = ParamUse(op, u.layer, (1, None), 0)
+                break
+
+
+def _head_vectors(graph: Graph, uses: dict[str, ParamUse], kind_of: dict,
+                  shapes: dict[str, list[int]]) -> None:
+    """A 1-D parameter of ``heads`` values concatenated to the attention scores in a layer
+    whose (softmax) attention core has that many heads (GPT-OSS's sinks: a learned logit per
+    head): op ``attn_core``, cut by a heads split (in place)."""
+    for n in graph.nodes:
+        kind = kind_of.get(n.layer)
+        core = kind.op("attn_core") if kind is not None else None
+        if core is None or core.attrs.get("recurrent") or n.fused_op not in (None, "norm", "attn_core") \
+                or str(n.target).split(".")[:2] != ["aten", "cat"]:
+            continue
+        for p in n.params:
+            u = uses.get(p.fqn)
+            if u is not None and u.op is None and shapes.get(p.fqn) == [int(core.attrs.get(
+                    "heads", 0))]:
+                uses[p.fqn] = ParamUse("attn_core", u.layer, (0, None))
 
 
 def read_before_layers(graph: Graph) -> set[str]:

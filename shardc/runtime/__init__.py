@@ -24,6 +24,7 @@ from shardc.runtime.experts import ExpertParallel
 from shardc.runtime.fast import FastModel
 from shardc.runtime.gathered_experts import GatheredExperts
 from shardc.runtime.generate import fast_generate
+from shardc.runtime.head_slices import HeadSlices
 from shardc.runtime.kv_cache import KVCache
 from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.router import RouterParallel
@@ -40,7 +41,7 @@ from shardc.runtime.styles import (
 )
 
 # inlined in this order by ``--standalone`` (the fast runtime after the styles it runs on)
-SOURCES = ("styles.py", "router.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py",
+SOURCES = ("styles.py", "head_slices.py", "router.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py",
            "gpt_moe_local.py", "dbrx_local.py", "moe_local.py", "mla_local.py", "gathered_experts.py",
            "fast.py", "generate.py",
            "bench.py")
@@ -48,7 +49,7 @@ PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline st
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention",
            "ExpertParallel", "FastModel", "FullWidthNormParallel", "GatheredExperts",
-           "GroupedKVAttention", "HeadParallelAttention", "KVCache", "PIPELINE_SOURCES",
+           "GroupedKVAttention", "HeadParallelAttention", "HeadSlices", "KVCache", "PIPELINE_SOURCES",
            "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
            "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
            "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan", "bench_main",

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardc.runtime.styles import interleave
@@ -34,7 +41,9 @@ class ExpertParallel(ParallelStyle):
     (its tp dim, the widths of the parts it packs along it, or a count); with ``tp_split``
     the experts are column then row parallel (the first weight's output features -- parts
     interleaved per rank -- and the second's input features cut over tp), else they stay
-    replicated over tp. Dispatch: the routed (token, expert) pairs are sorted by expert, the
+    replicated over tp (GPT-OSS: its biases are weights too, ``[E, 2f]`` cut with the first
+    weight's output features, ``[E, h]`` named in ``partial`` under a split: held by tp rank
+    0, zeros elsewhere, so the partial sums add it once). Dispatch: the routed (token, expert) pairs are sorted by expert, the
     per-expert counts exchanged (``all_to_all_single`` of ``E`` integers), the rows go to
     their experts' owners with one uneven ``all_to_all_single``, run through the module's
     own forward on the local weights (its activation, gating and layout), and come back with
@@ -55,8 +64,11 @@ class ExpertParallel(ParallelStyle):
     and each rank keeps its own rows of the whole output (:func:`_chain_tp_rows`)."""
 
     def __init__(self, *, tp_split: bool = True, weights=None, token_rows: bool = False,
-                 chain=None, in_out: bool = False, fused=None):
+                 chain=None, in_out: bool = False, fused=None, partial=()):
         super().__init__()
+        # biases added once to partial sums (GPT-OSS's down_proj_bias after a row split):
+        # Partial over tp -- tp rank 0 holds the values, the other ranks zeros
+        self.partial = tuple(partial)
         # experts stored fused (DBRX): (the GLU submodule holding the weights, f, h); each
         # [E * f, h] weight placed as its [E, f, h] view, computed by the GLU per expert
         self.fused = tuple(fused) if fused else None
@@ -93,6 +105,13 @@ class ExpertParallel(ParallelStyle):
                 placements = [Shard(0) if d == "ep" else Shard(tp_dim) if cut else Replicate()
                               for d in names]
                 dt = distribute_tensor(full, mesh, placements, src_data_rank=self.src_data_rank)
+                if split and name in self.partial:  # the sum over tp is the bias
+                    local = dt.to_local()
+                    if mesh.get_local_rank("tp") != 0:
+                        local = torch.zeros_like(local)
+                    dt = DTensor.from_local(local, mesh, [Partial() if d == "tp" else p
+                                                          for d, p in zip(names, placements)],
+                                            run_check=False)
                 mod.register_parameter(name, nn.Parameter(dt, requires_grad=False))
 
         distribute_module(module, device_mesh, partition)

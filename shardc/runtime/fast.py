@@ -78,7 +78,9 @@ def _rope_interleaved(attn, d: int) -> bool:
     """Whether the attention module's own ``apply_rotary_pos_emb`` (its modeling module's)
     rotates adjacent pairs (ERNIE-4.5's GLM style: cos / sin halves repeated pairwise) rather
     than the two halves (Llama's), told by running it once on a probe of head dim ``d``;
-    NotImplementedError for any other convention. Adjacent pairs are run as DeepSeek's
+    ``"half_tables"``: the two halves rotated by tables of the ``d / 2`` frequencies alone
+    (GPT-OSS's, whose rotary module returns them so: the runtime repeats them, Llama's
+    tables); NotImplementedError for any other convention. Adjacent pairs are run as DeepSeek's
     ``rope_interleave`` (q and k permuted alike: the scores are unchanged)."""
     import sys
 
@@ -89,7 +91,13 @@ def _rope_interleaved(attn, d: int) -> bool:
     freqs = torch.linspace(0.3, 1.1, d // 2)
     emb = torch.cat([freqs, freqs])
     cos, sin = emb.cos().view(1, 1, d), emb.sin().view(1, 1, d)
-    got = fn(x, x, cos, sin)[0].float()
+    try:
+        got = fn(x, x, cos, sin)[0].float()
+    except RuntimeError:  # GPT-OSS: tables of the d / 2 frequencies, rotating the halves
+        got = fn(x, x, cos[..., :d // 2], sin[..., :d // 2])[0].float()
+        if torch.allclose(got, rope(x, cos, sin)):
+            return "half_tables"
+        raise NotImplementedError(f"the rotary embedding of {type(attn).__module__}") from None
     if torch.allclose(got, rope(x, cos, sin)):
         return False
     halves = got.view(1, 1, 1, d // 2, 2).transpose(-1, -2).reshape(1, 1, 1, d)
@@ -147,6 +155,14 @@ class Attention:
         self.window = _window(cfg, attn, i)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.interleave = _rope_interleaved(attn, self.d)
+        self.half_tables = self.interleave == "half_tables"
+        self.interleave = self.interleave is True
+        # GPT-OSS: a learned logit per query head joins each softmax; a heads split holds
+        # its heads' (placed so by parallelize.py, or sliced here from the whole vector)
+        sinks = getattr(attn, "sinks", None)
+        self.sinks = None if sinks is None else local_tensor(sinks).detach()
+        if self.sinks is not None and self.split and self.sinks.shape[0] == self.hq:
+            self.sinks = self.sinks.chunk(tp.size)[tp.rank]
         self.clip = clip_of(attn)  # DBRX: q|k|v clamped, on whole values (after the repair)
 
     def alloc(self, cache: KVCache, rows: int) -> None:
@@ -188,7 +204,7 @@ class Attention:
         else:
             keys, vals, kst = layer.view(upto)
         o = attend(q, keys, vals, visible(kst, steps, start, self.window), self.scale,
-                   self.softcap, self.upcast)
+                   self.softcap, self.upcast, self.sinks)
         (_, _, need, prod) = steps_w[2]
         o = linear(repair(o, self.core_need, need, tp), self.wo, self.bo, self.c_out, tp)
         return repair(o, prod, self.walk["end"], tp)
@@ -377,6 +393,10 @@ class FastModel:
                 tables = (torch.cat([tables.real] * 2, -1).to(self.dtype),
                           torch.cat([tables.imag] * 2, -1).to(self.dtype))
             cos, sin = tables
+            attns = [layer.attn for layer in self.layers.values()
+                     if isinstance(layer.attn, Attention)]
+            if attns and all(a.half_tables and a.d == 2 * cos.shape[-1] for a in attns):
+                cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # GPT-OSS's
             if any(isinstance(layer.attn, Attention) and layer.attn.d != cos.shape[-1]
                    for layer in self.layers.values()):
                 raise NotImplementedError("a partial rotary embedding (rotary dim "

@@ -220,15 +220,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           scale: float, softcap: float | None = None, upcast: bool = False) -> torch.Tensor:
+           scale: float, softcap: float | None = None, upcast: bool = False,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of ``q [rows, hq, s, d]`` over ``k`` / ``v [rows, hkv, n, d]`` (grouped heads)
     under boolean ``mask [rows, 1, s, n]``; returns ``[rows, s, hq * dv]``. Grouped heads
     are read in place (``enable_gqa``: no copy of the cache per query head). ``softcap``
     (Gemma-2's logit softcapping, ``cap * tanh(scores / cap)``): SDPA has none, so the
     scores are computed explicitly (fp32 softmax, as HF's eager attention). ``upcast``
     (GPT-2's ``reorder_and_upcast_attn``): the scores computed from fp32 ``q`` and ``k``,
-    the fp32 probabilities cast to the values' dtype."""
+    the fp32 probabilities cast to the values' dtype. ``sinks`` (GPT-OSS's attention sinks,
+    ``[hq]``: this rank's heads' learned logits): one more logit per row and head joins the
+    softmax and is dropped after it (the probabilities of the keys sum to less than 1),
+    computed in the queries' dtype as HF's eager attention does."""
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if sinks is not None:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = (q @ k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.to(q.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores, sink], -1)
+        logits = logits - logits.max(-1, keepdim=True).values
+        probs = F.softmax(logits, -1, dtype=logits.dtype)[..., :-1]
+        return (probs.to(v.dtype) @ v).transpose(1, 2).flatten(2)
     if softcap or upcast:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

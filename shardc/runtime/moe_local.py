@@ -142,11 +142,24 @@ def _grouped(rows: torch.Tensor, counts, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, 0) if out else rows.new_zeros(0, w.shape[1])
 
 
+def _row_experts(counts, n: int, device) -> torch.Tensor:
+    """The local expert of each of ``n`` rows grouped by expert (``counts`` per expert, or
+    their end offsets on the device: :func:`_grouped`)."""
+    if torch.is_tensor(counts):
+        return torch.searchsorted(counts, torch.arange(n, device=device, dtype=counts.dtype),
+                                  right=True)
+    return torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                   torch.tensor(counts, device=device), output_size=n)
+
+
 class ExpertsLocal:
     """One MoE block's routed experts on this rank: ``gate_up [E_local, 2f or 2f/tp, h or
     h/tp]`` (a ``col`` cut -- and a ``row`` one whose output is reduce-scattered -- holds this
     rank's gate slice then up slice; DBRX's fused experts: gate and up ``[E_local, f or f/tp,
-    h]`` apart, :mod:`shardc.runtime.dbrx_local`), ``down [E_local, h or h/tp, f or f/tp]``,
+    h]`` apart, :mod:`shardc.runtime.dbrx_local`; GPT-OSS's stored ``[E, h, 2f]`` with gate
+    and up alternating -- a contiguous col cut keeps each pair on one rank -- read
+    transposed, with their biases and the module's own clamped activation ``_apply_gate``,
+    col/row or rep/rep), ``down [E_local, h or h/tp, f or f/tp]``,
     as the pair of choices cut them (the module docstring says what moves between them)."""
 
     def __init__(self, mlp, walk: dict, tp: Group, ep: Group):
@@ -165,6 +178,13 @@ class ExpertsLocal:
         experts = mlp.experts
         router = _router_of(mlp)
         fused = is_fused_experts(experts)  # DBRX: the router's scores linear is its ``layer``
+        # GPT-OSS: biases [E_local, 2f or 2f/tp] / [E_local, h] of the two matmuls, added per
+        # routed row (the down one held by tp rank 0 alone under a row split: parallelize.py
+        # places it Partial, zeros elsewhere), weighted by the routing weight with the rest
+        self.biased = getattr(experts, "gate_up_proj_bias", None) is not None
+        self.bias1, self.bias2 = (local_tensor(experts.gate_up_proj_bias),
+                                  local_tensor(experts.down_proj_bias)) if self.biased \
+            else (None, None)
         self.router = RouterLocal(router.layer if fused else router, walk["router"], tp,
                                   getattr(mlp, "top_k", None), dbrx_routing(mlp) if fused else None)
         if hasattr(experts, "w_in"):  # GPT-MoE: [E, in, out] weights, a GeLU between them
@@ -173,6 +193,13 @@ class ExpertsLocal:
         elif fused:
             self.gate_up, self.down, self.act, f = fused_expert_weights(experts)
             self.gated = True
+        elif self.biased:  # GPT-OSS: [E, in, out], gate / up alternating, its own activation
+            if (c1, c2) not in (("col", "row"), ("rep", "rep")):
+                raise NotImplementedError(f"experts with biases split {c1}/{c2} (they run "
+                                          "col/row or rep/rep)")
+            self.gate_up = local_tensor(experts.gate_up_proj).transpose(1, 2)
+            self.down = local_tensor(experts.down_proj).transpose(1, 2)
+            self.act, self.gated = experts._apply_gate, False
         else:
             self.gate_up, self.down = local_tensor(experts.gate_up_proj), local_tensor(experts.down_proj)
             self.act, self.gated = experts.act_fn, True
@@ -183,6 +210,8 @@ class ExpertsLocal:
         self.local_experts = self.first[0].shape[0]
         if not fused:  # the intermediate width
             f = int(experts.down_proj.shape[-1]) if self.gated else None
+        if self.biased and self.bias2.shape[0] != self.local_experts:  # placed per rank
+            raise NotImplementedError("expert biases not placed with their experts")
         # the packed gate|up widths the repairs keep (S(1): [g_r | u_r]); a row/row gate_up
         # was placed with its outputs in rank order, so its partial sums scatter as they are
         self.parts = None if (c1, c2) == ("row", "row") or not self.gated else (f, f)
@@ -203,6 +232,9 @@ class ExpertsLocal:
         x = repair(rows, self.src, self.need1, tp)
         h = torch.cat([_grouped(x, counts, w) for w in self.first], -1) \
             if len(self.first) > 1 else _grouped(x, counts, self.first[0])
+        eid = _row_experts(counts, h.shape[0], h.device) if self.biased else None
+        if self.biased:
+            h = h + self.bias1[eid].to(h.dtype)
         if rows.shape[0] and tp:  # every tp rank holds the same rows: all skip or none
             h = repair(h, self.prod1, self.need2, tp, self.parts)
         if self.gated:
@@ -211,6 +243,8 @@ class ExpertsLocal:
         else:
             a = self.act(h)
         y = _grouped(a, counts, self.down)
+        if self.biased:
+            y = y + self.bias2[eid].to(y.dtype)
         if self.prod2 == "S(1)" and rows.shape[0] and tp:
             y = repair(y, "S(1)", "R", tp)  # whole rows before the combine
         return y

@@ -15,9 +15,9 @@ from shardc.runtime.styles import move
 class _RouterLinear(torch.overrides.TorchFunctionMode):
     """Active during an HF router's forward: ``F.linear`` with a DTensor weight (the
     router's, as :class:`RouterParallel` cut it) runs on the local shard and returns the
-    whole scores as a plain tensor -- ``Shard(0)`` (col): this rank's experts' scores, the
-    features all-gathered; ``Shard(1)`` (row): partial sums of the rank's feature slice,
-    all-reduced. The rest of the router (softmax / sigmoid, group-limited top-k, scatters,
+    whole scores as a plain tensor -- ``Shard(0)`` (col): this rank's experts' scores (and
+    their slice of a bias: GPT-OSS's), the features all-gathered; ``Shard(1)`` (row): partial
+    sums of the rank's feature slice, all-reduced, the whole bias added after. The rest of the router (softmax / sigmoid, group-limited top-k, scatters,
     its buffers) runs on plain tensors."""
 
     def __init__(self, mesh):
@@ -27,15 +27,17 @@ class _RouterLinear(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], DTensor):
-            if (args[2] if len(args) > 2 else kwargs.get("bias")) is not None:
-                raise ValueError("RouterParallel: a router with a bias is not supported")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            bias = bias.to_local() if isinstance(bias, DTensor) else bias
             x, w = args[0], args[1]
             x = x.to_local() if isinstance(x, DTensor) else x
-            if w.placements[0] == Shard(0):
-                y = F.linear(x, w.to_local())
+            n, i = self.mesh.size(), self.mesh.get_local_rank()
+            if w.placements[0] == Shard(0):  # this rank's experts' scores (+ their bias)
+                y = F.linear(x, w.to_local(), None if bias is None else bias.chunk(n)[i])
                 return move(y, self.mesh, Shard(y.dim() - 1), Replicate())
-            x = x.chunk(self.mesh.size(), dim=-1)[self.mesh.get_local_rank()]  # a local slice
-            return move(F.linear(x, w.to_local()), self.mesh, Partial(), Replicate())
+            x = x.chunk(n, dim=-1)[i]  # a local slice
+            y = move(F.linear(x, w.to_local()), self.mesh, Partial(), Replicate())
+            return y if bias is None else y + bias  # the whole bias once, after the sum
         return func(*args, **kwargs)
 
 
