@@ -28,12 +28,15 @@ class _RouterLinear(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], DTensor):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            bias = bias.to_local() if isinstance(bias, DTensor) else bias
+            placed = isinstance(bias, DTensor)  # a col router's: this rank's experts' slice
+            bias = bias.to_local() if placed else bias
             x, w = args[0], args[1]
             x = x.to_local() if isinstance(x, DTensor) else x
             n, i = self.mesh.size(), self.mesh.get_local_rank()
             if w.placements[0] == Shard(0):  # this rank's experts' scores (+ their bias)
-                y = F.linear(x, w.to_local(), None if bias is None else bias.chunk(n)[i])
+                if bias is not None and not placed:
+                    bias = bias.chunk(n)[i]
+                y = F.linear(x, w.to_local(), bias)
                 return move(y, self.mesh, Shard(y.dim() - 1), Replicate())
             x = x.chunk(n, dim=-1)[i]  # a local slice
             y = move(F.linear(x, w.to_local()), self.mesh, Partial(), Replicate())
@@ -66,6 +69,11 @@ class RouterParallel(ParallelStyle):
         dt = distribute_tensor(module.weight.detach(), device_mesh,
                                [Shard(1) if row else Shard(0)], src_data_rank=self.src_data_rank)
         module.register_parameter("weight", nn.Parameter(dt, requires_grad=False))
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, nn.Parameter) and not row:  # GPT-OSS's: cut with the experts
+            module.register_parameter("bias", nn.Parameter(distribute_tensor(
+                bias.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=False))
         src, out = self.style.input_layouts[0], self.style.output_layouts[0]
         n, i = device_mesh.size(), device_mesh.get_local_rank()
         forward = module.forward
