@@ -46,6 +46,7 @@ MODELS = {
     "gpt-moe": str(ROOT / "examples" / "gpt_moe_1p6t.py"),
     "mixtral": str(ROOT / "examples" / "tiny_mixtral.py"),
     "deepseek-v3": str(ROOT / "examples" / "tiny_deepseek_v3.py"),
+    "gpt-oss": str(ROOT / "examples" / "configs" / "gpt_oss_20b" / "config.json"),
 }
 SP = {"tp": 2, "dp": 2, "sp": 2}  # experts: dp -> ep
 CASES = [("llama gqa (8 heads / 2 kv)", {"tp": 4}),  # KV heads replicated
@@ -131,3 +132,35 @@ def test_every_choice_pair_emits_a_torch_only_file(model, degrees, fake_ranks):
         seen += 1
     assert seen >= 27, seen  # the attention pairs at least
     assert not refused, refused  # every plan runs on the fast runtime
+
+
+# GPT-OSS (sinks, expert biases, gate / up alternating): its experts run col/row and rep/rep
+# over tp on the tp x ep mesh; another pair is refused per plan (backend runs False, naming
+# it: ``fused_experts_verdict``), every other plan is deployable and runs
+BIASED_PAIRS = {("col", "row"), ("rep", "rep")}
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 4}, SP], ids=["tp4", "tp2-ep2-sp2"])
+def test_gpt_oss_every_choice_pair_runs_or_is_refused_per_plan(degrees, fake_ranks):
+    from shardc.backends.support import fused_experts_verdict
+    from shardc.backends.verify import _build
+
+    tiny, _ = _build(MODELS["gpt-oss"], 8, 4)
+    seen, refused, wrong = 0, 0, []
+    for label, plan in _plans("gpt-oss", degrees):
+        pair = {o["kind"]: o["choice"] for o in plan.ops if o["layer_kind"] == "moe_block"}
+        verdict = fused_experts_verdict({"runs": True, "reason": None}, [plan])
+        if (pair["expert_ffn1"], pair["expert_ffn2"]) not in BIASED_PAIRS:
+            assert not verdict["runs"] and "experts with biases" in verdict["reason"], label
+            refused += 1
+            continue
+        assert verdict["runs"], (label, verdict)
+        code = plan.code(standalone=True)
+        assert {m.split(".")[0] for m in _imported_modules(code)} <= TORCH_ONLY, label
+        try:
+            _runtime_builds(plan.code(), copy.deepcopy(tiny))
+        except NotImplementedError as e:
+            wrong.append(f"{label}: {e}")
+        seen += 1
+    assert seen >= 27 and refused >= 7, (seen, refused)
+    assert not wrong, wrong
