@@ -77,13 +77,13 @@ def test_compile_refuses_what_it_cannot_plan(tmp_path, capsys):
 
 
 def test_a_model_the_backend_cannot_run_is_planned_without_parallelize_py(tmp_path, capsys):
-    """GPT-OSS (sinks, router and expert biases): the DTensor backend cannot run it, which
+    """Qwen3-Next (Gated DeltaNet layers): the DTensor backend cannot run it, which
     the engines do not need -- plan.json, the reports and both launch scripts are written, no
     parallelize.py (a stale one from an earlier compile is removed), exit 0, and plan.json
     ``backend`` and the summary say why; ``Plan.code`` and ``shardc verify`` refuse it."""
     from shardc.plan import load_plan
 
-    cfg = _tiny_config_json("gpt_oss_20b", tmp_path)
+    cfg = _tiny_config_json("qwen3_next_80b_a3b", tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / "parallelize.py").write_text("# an earlier model's\n")
@@ -91,17 +91,17 @@ def test_a_model_the_backend_cannot_run_is_planned_without_parallelize_py(tmp_pa
                "--context", "64", "--out", str(out), "--quiet"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "no parallelize.py: gpt_oss: the DTensor backend cannot run this model" in text
+    assert "no parallelize.py: qwen3_next: the DTensor backend cannot run this model" in text
     for name in ("plan.json", "graph.txt", "launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
         assert (out / name).exists(), name
     assert not (out / "parallelize.py").exists()
     plan = load_plan(out / "plan.json")
-    assert plan.backend["runs"] is False and "GptOssExperts" in plan.backend["reason"]
+    assert plan.backend["runs"] is False and "recurrent" in plan.backend["reason"]
     with pytest.raises(InputError, match="has no parallelize.py"):
         plan.code()
     rc = main(["verify", str(cfg), "--plan", str(out / "plan.json"), "--world", "2"])
     err = capsys.readouterr().err
-    assert rc == 2 and "the DTensor backend cannot run this model" in err
+    assert rc == 2 and err.startswith("shardc: error:") and len(err.splitlines()) == 1, err
 
 
 def test_a_runnable_model_records_that_its_backend_runs(tmp_path):
@@ -152,7 +152,7 @@ def test_backend_places_every_parameter_of_the_runnable_families():
     from shardc.frontends.hf_build import build_causal_lm
 
     for name in ("qwen3_8b", "qwen3_30b_a3b", "olmoe_1b_7b", "qwen2_5_7b", "deepseek_v2_lite",
-                 "gemma2_9b", "phi3_5_moe", "gpt2"):
+                 "gemma2_9b", "phi3_5_moe", "gpt2", "gpt_oss_20b"):
         model = build_causal_lm(tiny_config(config_path(name)))
         assert backend_problem(model) is None, name
 

@@ -12,7 +12,11 @@ tables from ``rope_theta``, ``[E, in, out]`` experts: :mod:`shardc.runtime.gpt_m
 DeepSeek-V2/V3 MLA (absorbed: attention runs in the latent space, the cache holds the
 latent; per head after a ``row`` qkv or a ``col`` one before a batch split,
 :mod:`shardc.runtime.mla_local`), gated MLPs, sparse MoE blocks with HF stacked experts
-(Mixtral, Qwen3-MoE, DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`).
+(Mixtral, Qwen3-MoE, DeepSeek routed + shared experts; :mod:`shardc.runtime.moe_local`),
+GPT-OSS (attention sinks: a learned logit per head joining each softmax, the rank's heads'
+under a heads split; q/k/v and o_proj biases; its rotary module's ``d / 2``-frequency YaRN
+tables; a biased router, top-k then softmax; experts ``[E, h, 2f]`` with gate / up
+alternating, per-expert biases and their own clamped activation).
 Sequence parallelism: the residual ``S(0)`` holds this tp rank's rows.
 
 What runs is the plan's walk, as data (``walks``, written into ``parallelize.py`` from the
