@@ -199,3 +199,30 @@ def test_biased_experts_verdict_per_plan(model_file, pair, degrees, runs):
         code = plan.code()
         assert ("partial=('down_proj_bias',)" in code) == (pair == ("col", "row"))
         assert "HeadSlices(('sinks',)" in code
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_model_forward_collectives_are_the_cost_models(model_file, name):
+    """The plan's ``--standalone`` file run through the model's own forward (its styles on
+    DTensor placements, as ``shardc verify`` runs it) on 4 fake ranks issues the cost model's
+    collectives plus test_runtime_styles_bytes' exempt extras, nothing for the sinks and
+    biases (a row router's bias and the Partial expert bias add no collective)."""
+    from test_backend_fake import assert_records_match
+    from test_runtime_styles_bytes import BATCH, charged, exempt_extras, run_standalone_file
+
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
+    from shardc.plan import build_plan
+
+    degrees, override = PLAN_CASES[name]
+    graph = load_graph(model_file, tiny=True)
+    strategy = strategy_from_names(degrees, _choices(model_file, override), BATCH)
+    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
+                      Workload(batch=BATCH, context=512))
+    records, vocab = run_standalone_file(plan, model_file, strategy, name)
+    got = list(records)
+    for extra in exempt_extras(graph, strategy, vocab):
+        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
+        got.remove(extra)
+    assert got, name
+    assert_records_match(got, charged(graph, strategy), name)
