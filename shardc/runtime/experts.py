@@ -43,8 +43,8 @@ class ExpertParallel(ParallelStyle):
     interleaved per rank -- and the second's input features cut over tp), else they stay
     replicated over tp (GPT-OSS: its biases are weights too, ``[E, 2f]`` cut with the first
     weight's output features, ``[E, h]`` named in ``partial`` under a split: held by tp rank
-    0, zeros elsewhere, so the partial sums add it once). Dispatch: the routed (token, expert) pairs are sorted by expert, the
-    per-expert counts exchanged (``all_to_all_single`` of ``E`` integers), the rows go to
+    0, zeros elsewhere, so the partial sums add it once). Dispatch: the routed (token,
+    expert) pairs are sorted by expert, the per-expert counts exchanged (``all_to_all_single`` of ``E`` integers), the rows go to
     their experts' owners with one uneven ``all_to_all_single``, run through the module's
     own forward on the local weights (its activation, gating and layout), and come back with
     one more. The tp partial sums travel back as they are and are all-reduced over tp after

@@ -78,7 +78,7 @@ def _window(cfg, attn, i: int):
     return int(w) if w else None
 
 
-def _rope_interleaved(attn, d: int) -> bool:
+def _rope_interleaved(attn, d: int) -> bool | str:
     """Whether the attention module's own ``apply_rotary_pos_emb`` (its modeling module's)
     rotates adjacent pairs (ERNIE-4.5's GLM style: cos / sin halves repeated pairwise) rather
     than the two halves (Llama's), told by running it once on a probe of head dim ``d``;

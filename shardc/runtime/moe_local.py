@@ -185,6 +185,9 @@ class ExpertsLocal:
         self.bias1, self.bias2 = (local_tensor(experts.gate_up_proj_bias),
                                   local_tensor(experts.down_proj_bias)) if self.biased \
             else (None, None)
+        if self.biased and c2 == "row" and tp.rank and not any(
+                p.is_partial() for p in getattr(experts.down_proj_bias, "placements", ())):
+            self.bias2 = torch.zeros_like(self.bias2)  # a whole bias: once, on tp rank 0
         self.router = RouterLocal(router.layer if fused else router, walk["router"], tp,
                                   getattr(mlp, "top_k", None), dbrx_routing(mlp) if fused else None)
         if hasattr(experts, "w_in"):  # GPT-MoE: [E, in, out] weights, a GeLU between them
