@@ -102,6 +102,7 @@ def test_a_model_the_backend_cannot_run_is_planned_without_parallelize_py(tmp_pa
     rc = main(["verify", str(cfg), "--plan", str(out / "plan.json"), "--world", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("shardc: error:") and len(err.splitlines()) == 1, err
+    assert "the DTensor backend cannot run this model" in err, err  # not a layer-kind mismatch
 
 
 def test_a_runnable_model_records_that_its_backend_runs(tmp_path):

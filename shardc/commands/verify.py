@@ -143,7 +143,7 @@ def _tiny_layer_kinds(graph, model, plan) -> dict[str, list[int]]:
     kinds: dict[str, list[int]] = {}
     for i, k in inferred.items():
         if k not in names:
-            if len(names) != 1 or not names[0].startswith(k):  # dense vs MoE never mix
+            if len(names) != 1 or k not in names[0]:  # dense vs MoE never mix
                 raise InputError(f"plan layer kinds {names} do not match the tiny model's "
                                  f"layers ({sorted(set(inferred.values()))})")
             k = names[0]
@@ -166,7 +166,9 @@ def _source_kinds(graph, model, plan) -> dict[str, list[int]] | None:
     kinds: dict[str, list[int]] = {}
     for i, orig in enumerate(source):
         name = plan_kind.get(orig)
-        if name is None or not name.startswith(inferred[i]):
+        # the plan's kind names the block (``moe_block``, ``linear_attn_moe_block``,
+        # ``mamba2_dense_block``, ``dense_block_2``): dense vs MoE must agree
+        if name is None or inferred[i] not in name:
             raise InputError(f"plan layer kinds {[k['name'] for k in plan.layer_kinds]} do not "
                              f"match the tiny model's layers: its layer {i} (original layer "
                              f"{orig}) is a {inferred[i]}, the plan's layer {orig} is "
