@@ -62,8 +62,8 @@ def baseline_over_splits(name: str, space, cost_model, default: SearchResult, bu
     """Baseline ``name`` (``megatron``, ``best_practice``) over the experts splits:
     ``default`` (its sweep at the default split) and its sweep in every re-split copy of
     ``space`` some engine runs (:func:`shardc.ir.engines.searched_splits` with ``"any"``:
-    attention data parallel with the experts TP or EP over every rank, as the engines
-    deploy it), the best kept (ties: ``default``); a re-split winner's ``space`` is the copy
+    the experts TP, EP or both over the tp x dp_attn ranks, as the engines deploy them), the
+    best kept (ties: ``default``); a re-split winner's ``space`` is the copy
     its action decodes in."""
     from shardc.ir.engines import split_spaces
 

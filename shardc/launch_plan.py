@@ -70,21 +70,6 @@ def _numbers(pred: dict) -> dict:
             for k in ("tok_s_per_gpu", "tpot_ms", "ttft_ms")}
 
 
-def _unswept_split(engine: str, strategy, space) -> str | None:
-    """Why the engine's search found nothing when the plan's experts split, fixed in
-    ``--degrees``, is a mixed one (moe_tp and moe_ep both > 1) the engine spells but its
-    search does not sweep (:func:`shardc.ir.engines.plan_places_split`); None otherwise."""
-    from shardc.ir.engines import experts_split_ok, has_dense_mlp
-
-    d = strategy.degrees
-    if not (space.fixed and d.experts_resplit and d.moe_tp > 1 and d.moe_ep > 1) or \
-            not experts_split_ok(engine, d.tp, d.ep, d.moe_tp, d.moe_ep, has_dense_mlp(space)):
-        return None
-    return (f"its search does not take a mixed experts split yet: moe_tp={d.moe_tp} x "
-            f"moe_ep={d.moe_ep}, fixed in --degrees, which {ENGINE_NAMES[engine]} spells; the "
-            "engine searches sweep moe_tp = tp x dp_attn or moe_ep = tp x dp_attn")
-
-
 def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload, kernels,
                        runtime) -> dict:
     """``launch.<engine>`` of a decode or prefill compile (module docstring)."""
@@ -108,15 +93,14 @@ def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload,
     found = search_engine("exact", space, engine, cost_model=cm,
                           time_limit_s=LAUNCH_EXACT_LIMIT_S)
     name = ENGINE_NAMES[engine]
-    unswept = _unswept_split(engine, outcome.strategy, space)
     if found is None:
-        return _entry(engine, [], None, plan_value, False, unswept or (
+        return _entry(engine, [], None, plan_value, False, (
             f"{name} expresses no configuration of this mesh"
             + (" with the fixed --degrees" if space.fixed else "")), {})
     search = {"policy": "exact", "complete": bool(found.complete),
               "evaluations": int(found.evaluations)}
     if found.result.best_action is None:
-        return _entry(engine, [], None, plan_value, False, unswept or (
+        return _entry(engine, [], None, plan_value, False, (
             f"nothing {name} expresses fits this workload (memory or the SLOs)"), search)
     space = found.result.space or space  # an experts re-split decodes in its own space
     s = space.decode(found.result.best_action)

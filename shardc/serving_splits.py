@@ -1,10 +1,12 @@
 """The serving search over the experts splits (``moe_tp x moe_ep``, docs/deploy.md
 "Attention data parallel with the experts split their own way"): with a MoE model the whole
 serving search (:func:`shardc.serving.serve_search`) runs once at the default split and once
-per re-split the runtime runs (:func:`shardc.ir.engines.searched_splits`: an engine's flags;
-dtensor: :func:`shardc.ir.engines.dtensor_runs_split`, when switched on), each a fixed-split search, and the
-best deployment (tok/s/GPU) is kept -- the default's on a tie, its baselines reported. Every
-pool of one deployment has the same split."""
+per ``moe_tp`` value giving some re-split the runtime runs (:func:`shardc.ir.engines.
+searched_splits`: an engine's flags, all-TP, all-EP and mixed splits alike; dtensor:
+:func:`shardc.ir.engines.dtensor_runs_split`, when switched on), each a fixed-split search,
+and the best deployment (tok/s/GPU) is kept -- the default's on a tie, its baselines
+reported. Every pool of one deployment has the same ``moe_tp`` (``moe_ep = tp x dp_attn /
+moe_tp`` at each pool's degrees)."""
 
 from __future__ import annotations
 

@@ -316,10 +316,16 @@ def test_compile_places_a_mixed_split_on_the_experts_mesh(tmp_path):
         assert r["local_shape"][cut] * 2 == r["shape"][cut]
         assert r["local_shape"][r["expert_dim"]] * 2 == r["shape"][r["expert_dim"]]
     assert all("mesh_dims" not in r for r in plan["params"] if r.get("expert_dim") is None)
-    # SGLang spells tp4 etp2 ep2 but no engine search sweeps a mixed split yet: said so
-    assert plan["launch"]["sglang"]["pools"] == []
-    assert "does not take a mixed experts split" in plan["launch"]["sglang"]["reason"]
-    assert "does not take" not in (plan["launch"]["vllm"]["reason"] or "")  # vLLM: no flag
+    # SGLang and TensorRT-LLM spell tp4 with the experts 2 x 2 (MoE tp = tp-size / ep-size);
+    # their searches sweep it and the scripts carry it; vLLM has no flag for it
+    for engine, tp_flag, ep_flag in (("sglang", "--tp-size", "--ep-size"),
+                                     ("trtllm", "--tp_size", "--ep_size")):
+        (pool,) = plan["launch"][engine]["pools"]
+        assert (pool["degrees"]["tp"], pool["degrees"]["moe_tp"], pool["degrees"]["moe_ep"]) \
+            == (4, 2, 2)
+        flags = pool["flags"]
+        assert flags[flags.index(tp_flag) + 1] == "4" and flags[flags.index(ep_flag) + 1] == "2"
+    assert plan["launch"]["vllm"]["pools"] == []
 
 
 def test_verify_runs_a_resplit_plan_scaled_down(tmp_path, capsys):

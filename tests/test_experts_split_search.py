@@ -167,16 +167,20 @@ def test_backend_verdict_reads_the_one_place(monkeypatch):
     assert "moe_tp=2 x moe_ep=4" in experts_split_problem(mixed)
 
 
-def test_searched_resplits_are_the_ones_plan_json_places():
-    """The searches sweep the splits whose placements are one per mesh dim
-    (``plan_places_split``; a mixed split, moe_tp and moe_ep both > 1, is compiled from
-    ``--degrees`` but not swept): every engine's best over Mixtral 8x1 decode at 32k is
-    default, all-TP or all-EP."""
+def test_searched_resplits_are_the_ones_the_engine_spells():
+    """The searches sweep every split that tiles tp x dp_attn (``plan_places_split``: the
+    all-TP and all-EP ones and the mixed ones, moe_tp and moe_ep both > 1, which plan.json
+    places on the experts mesh) where the engine spells it: Mixtral 8x1 decode at 32k on
+    SGLang sweeps mixed splits too, each one SGLang's flags say."""
     _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode", context=32768, engine="sglang")
+    mixed = 0
     for mode, ms, sp in engine_mode_spaces(space, "sglang"):
         for t, e in ms.allowed_tp_ep:
             mt, me = (int(x) for x in sp.experts_split(t, e))
-            assert (mt, me) == (t, e) or 1 in (mt, me)
+            assert mt * me == t * e
+            assert (mt, me) == (t, e) or experts_split_ok("sglang", t, e, mt, me, False)
+            mixed += (mt, me) != (t, e) and mt > 1 and me > 1
+    assert mixed
 
 
 def test_serve_search_finds_a_resplit_where_the_default_split_is_not_expressible():
@@ -206,22 +210,27 @@ def test_a_split_whose_derived_half_does_not_divide_is_an_invalid_row():
     assert (int(mt[0]), int(me[0])) == (0, 0) and (int(mt[1]), int(me[1])) == (4, 1)
 
 
-def test_the_baselines_split_copies_hold_only_placeable_resplits():
+def test_the_baselines_split_copies_hold_splits_some_engine_runs():
     """Mixtral 8x1: the best-practice baseline's re-split copies (``split_spaces(space,
-    "any")``) hold only all-TP / all-EP pairs, so the baseline never reports a split compile
-    would refuse (moe_tp and moe_ep both > 1)."""
+    "any")``) hold re-splits some engine spells -- mixed ones (moe_tp and moe_ep both > 1,
+    SGLang's ``--ep-size``) included -- and the baseline's best decodes to one of them or
+    to the default split."""
     from shardc.search import cost_model_objective
 
     _, _, _, _, space, cm = _setup(MIXTRAL, phase="decode")
+    mixed = 0
     for sp in split_spaces(space, "any")[1:]:
         assert sp.allowed_tp_ep
         for t, e in sp.allowed_tp_ep:
             mt, me = (int(x) for x in sp.experts_split(t, e))
-            assert (mt, me) != (t, e) and 1 in (mt, me)
+            assert (mt, me) != (t, e) and mt * me == t * e
+            assert any(experts_split_ok(r, t, e, mt, me, False) for r in engines.ENGINES)
+            mixed += mt > 1 and me > 1
+    assert mixed
     default = run_search("best_practice", space, cost_model_objective(cm, space))
     got = best_practice_over_splits(space, cm, default, budget=1, seed=0)
     d = (got.space or space).decode(got.best_action).degrees
-    assert not d.experts_resplit or 1 in (d.moe_tp, d.moe_ep)
+    assert not d.experts_resplit or d.moe_tp * d.moe_ep == d.tp * d.ep
 
 
 def test_serve_baselines_are_the_best_over_the_swept_splits():

@@ -199,12 +199,12 @@ def engine_flags(engine: str, pool: LaunchPool) -> list[str]:
         if d.ep > 1 or pool.dp_attention:
             dp = d.tp * d.ep if pool.dp_attention else d.ep
             out += ["--dp-size", str(dp), "--enable-dp-attention"]
-            if d.ep > 1 and d.expert_ep > 1:  # MoE tp = tp-size / ep-size
+            if d.expert_ep > 1:  # MoE tp = tp-size / ep-size (a re-split's at ep = 1 too)
                 out += ["--ep-size", str(d.expert_ep)]
             if d.ep > 1 and d.tp == 1 and pool.dense_mlp:
                 out += ["--moe-dense-tp-size", "1"]
-        elif d.experts_resplit and d.moe_ep > 1:  # experts split inside the tp group
-            out += ["--ep-size", str(d.moe_ep)]
+        elif d.expert_ep > 1:  # a re-split: the experts over moe_ep groups inside tp
+            out += ["--ep-size", str(d.expert_ep)]
         if d.pp > 1:  # SGLang refuses pipeline parallelism with its overlap scheduler
             out += ["--disable-overlap-schedule"]
         out += ["--max-running-requests", str(batch),

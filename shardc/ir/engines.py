@@ -135,14 +135,16 @@ DTENSOR_SEARCH_SWEEPS_RESPLITS = False
 
 
 def plan_places_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
-    """Whether the searches sweep the experts split ``moe_tp x moe_ep`` at (tp, ep): the
-    default, all-TP ``moe_ep = 1`` or all-EP ``moe_tp = 1`` (its placements one per mesh
-    dim, :func:`shardc.backends.layout.resplit_expert_placements`). A mixed split (both >
-    1) is compiled and run when ``--degrees`` fixes it (its expert weights on the experts
-    mesh ``(moe_ep, moe_tp)``) but not swept: each swept split is one more run of the
-    searcher."""
+    """Whether the searches sweep the experts split ``moe_tp x moe_ep`` at (tp, ep): every
+    split that tiles the tp x ep ranks, as plan.json places them -- the default, all-TP
+    ``moe_ep = 1`` and all-EP ``moe_tp = 1`` one placement per mesh dim, a mixed split (both
+    > 1, e.g. DeepSeek-V3's tp8 with expert TP2 x EP4) on the experts mesh ``(moe_ep,
+    moe_tp)`` (:func:`shardc.backends.layout.resplit_expert_placements`). Whether a runtime
+    runs it is :func:`experts_split_ok`'s. The outer loop of the searches is over the
+    ``moe_tp`` values (:func:`searched_splits`), so a mixed split adds (tp, ep) pairs inside
+    a fixed-split copy that the all-TP / all-EP splits already make, rarely a copy."""
     mt, me = int(moe_tp), int(moe_ep)
-    return (mt, me) == (int(tp), int(ep)) or (mt * me == int(tp) * int(ep) and 1 in (mt, me))
+    return mt >= 1 and me >= 1 and mt * me == int(tp) * int(ep)
 
 
 def dtensor_runs_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
@@ -182,7 +184,7 @@ def searched_splits(space: StrategySpace, runtime: str, sweep_dtensor: bool = Fa
     """The ``moe_tp`` values (ascending) whose fixed-split copies of ``space``
     (:func:`shardc.ir.space.with_experts_split`) hold some experts split other than (tp, ep)
     that ``runtime`` runs (:func:`experts_split_ok`; ``"any"``: some engine runs it) and
-    plan.json places (:func:`plan_places_split`: all-TP or all-EP) at a
+    plan.json places (:func:`plan_places_split`: all-TP, all-EP or mixed) at a
     (tp, ep) pair of ``space``: the splits a search sweeps as an outer loop besides
     ``space`` itself. Empty for a dense model, a space whose user fixed the split or sp on,
     and ``"dtensor"`` unless :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS` or ``sweep_dtensor`` (the

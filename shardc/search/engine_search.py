@@ -10,8 +10,10 @@ generic solver's per-degree-tuple calls would pay the evaluator's fixed cost per
 Budget: a budgeted searcher (rl, sa, rw, ga) gets ``budget // modes`` evaluations per mode
 (at least 1; ``modes`` counted at the default experts split), so the search at the default
 split spends the budget it was given exactly as without the re-splits, and each re-split mode
-of a MoE model (:func:`engine_mode_spaces`) gets the same per-mode budget on top (the
-re-splits can only add to the result); the sweeps (exact, megatron, best_practice) run whole
+of a MoE model (:func:`engine_mode_spaces`: every experts split ``moe_tp x moe_ep`` the engine
+spells, mixed ones -- both > 1, as SGLang's and TensorRT-LLM's ``--ep-size`` below their tp
+size -- included) gets the same per-mode budget on top (the re-splits can only add to the
+result); the sweeps (exact, megatron, best_practice) run whole
 in every mode. ``exact`` is complete when every mode's
 sweep is (then the value is the optimum of the engine's space under the cost model).
 """
@@ -64,9 +66,10 @@ def engine_mode_spaces(space, engine: str, resplit: bool = True
 
 
 def _kept(space, tp: int, ep: int, resplit_copy: bool) -> bool:
-    """Whether the (tp, ep) pair stays in a mode space: its experts split is one plan.json
-    places (:func:`shardc.ir.engines.plan_places_split`; a split fixed in the space, as the
-    serving search's, may give others), and in a re-split copy differs from (tp, ep)."""
+    """Whether the (tp, ep) pair stays in a mode space: its experts split tiles the tp x ep
+    ranks (:func:`shardc.ir.engines.plan_places_split`: default, all-TP, all-EP or mixed; a
+    split fixed in the space, as the serving search's, gives no split -- an invalid row --
+    where its other half does not divide), and in a re-split copy differs from (tp, ep)."""
     mt, me = (int(x) for x in space.experts_split(tp, ep))
     if (mt, me) == (tp, ep):
         return not resplit_copy
@@ -77,8 +80,8 @@ def search_engine(policy: str, space, engine: str, budget: int = 4000, seed: int
                   cost_model=None, objective_for=None, progress=None, resplit: bool = True,
                   **options) -> EngineSearch | None:
     """Search ``engine``'s modes of ``space`` -- and of its experts re-split copies
-    (:func:`engine_mode_spaces`: for a MoE model every split the engine spells, an outer
-    loop over fixed-split spaces) -- with ``policy``; None when the engine expresses nothing
+    (:func:`engine_mode_spaces`: for a MoE model every split the engine spells, all-TP,
+    all-EP and mixed ones, as an outer loop over fixed-``moe_tp`` spaces) -- with ``policy``; None when the engine expresses nothing
     here. ``objective_for(mode_space)`` gives each mode's objective (default: the
     ``cost_model``'s); ``exact`` is :func:`exact_sweep`. Ties keep the first (``space``'s own
     split before the re-splits). The best's ``result.space`` is the space its action

@@ -8,7 +8,8 @@ baselines' bests (a re-split baseline's as it is) -- and:
 
 1. re-prices each at every split copy the DTensor backend runs and plan.json places
    (:func:`shardc.ir.engines.dtensor_runs_split`, :func:`~shardc.ir.engines.plan_places_split`:
-   all-TP ``moe_tp = tp x ep`` and all-EP ``moe_ep = tp x ep``), legalised for that copy:
+   all-TP ``moe_tp = tp x ep``, all-EP ``moe_ep = tp x ep`` and mixed, both > 1, at the
+   seed's own (tp, ep)), legalised for that copy:
    sp off, and every op choice the copy forbids (the router is replicated under a re-split)
    set to Megatron's, else replicated; one batched call per copy;
 2. polishes the best re-priced strategy in its copy (:class:`~shardc.search.polish.
