@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardc.ir.space import MEGATRON_CHOICE, StrategySpace, megatron_op_choices
+from shardc.validate import divisors
 
 RUNTIMES = ("dtensor", "vllm", "sglang", "trtllm")
 ENGINES = RUNTIMES[1:]
@@ -197,9 +198,12 @@ def searched_splits(space: StrategySpace, runtime: str, sweep_dtensor: bool = Fa
     dense, world = has_dense_mlp(space), space.mesh.gpus
     widths = {int(k.op("expert_ffn2").in_features or 0) for k in space.graph.layer_kinds
               if k.op("expert_ffn2") is not None}
+    # a re-split copy keeps a dp_attn that does not divide the experts where moe_ep does
+    # (:func:`shardc.ir.space.with_experts_split`)
+    eps = space.values["ep"] if "ep" in space.fixed else divisors(world)
     out = set()
     for tp in space.values["tp"]:
-        for ep in space.values["ep"]:
+        for ep in eps:
             group = tp * ep
             if world % group:
                 continue

@@ -108,9 +108,9 @@ class StrategySpace:
         tp = [d for d in divisors(world) if d <= MAX_TP and hidden % d == 0
               and (self.tp_domain is None or self.tp_domain % d == 0)]
         ep = [d for d in divisors(world) if experts and experts % d == 0] or [1]
-        if experts and "ep" in self.fixed and ("moe_tp" in self.fixed or "moe_ep" in self.fixed):
-            # dp_attn fixed beside a fixed experts split: the split's moe_ep must divide the
-            # experts (:meth:`experts_split`), not dp_attn (vLLM / SGLang attention data
+        if experts and ("moe_tp" in self.fixed or "moe_ep" in self.fixed):
+            # a fixed experts split: its moe_ep must divide the experts (:meth:`experts_split`:
+            # a row where it does not is invalid), not dp_attn (vLLM / SGLang attention data
             # parallel with expert TP: --data-parallel-size 16 on Mixtral's 8 experts)
             ep = list(divisors(world))
         pp = [d for d in divisors(world) if d <= min(MAX_PP, max(g.num_layers, 1))]
@@ -360,12 +360,17 @@ def with_experts_split(space: StrategySpace, moe_tp: int) -> StrategySpace:
     """A copy of ``space`` with the experts split fixed at ``moe_tp`` (``moe_ep = tp x ep /
     moe_tp`` at each (tp, ep); as ``--degrees moe_tp=N`` builds it: sp off, the experts
     column / row): same components and candidate values (sp's value 0 keeps its index), so
-    an action means the same degrees and ops in both, and decodes with the split only here.
-    The searches sweep these copies as an outer loop (:func:`shardc.ir.engines.split_spaces`)."""
+    an action of ``space`` means the same degrees and ops in both, and decodes with the
+    split only here; the ep (dp_attn) values a fixed split adds -- moe_ep, not dp_attn, must
+    divide the experts there, e.g. dp_attn=16 on Mixtral's 8 experts with moe_tp=2 x
+    moe_ep=8 -- come after ``space``'s, so its indices keep their meaning (an action using
+    one decodes in the copy only). The searches sweep these copies as an outer loop
+    (:func:`shardc.ir.engines.split_spaces`)."""
     import dataclasses
 
     out = dataclasses.replace(space, fixed={**space.fixed, "moe_tp": int(moe_tp)})
-    out.values = {**space.values, "sp": [0]}
+    extra = [e for e in out.values["ep"] if e not in space.values["ep"]]
+    out.values = {**space.values, "sp": [0], "ep": list(space.values["ep"]) + extra}
     assert 0 in space.values["sp"] and space.values["sp"].index(0) == 0
     return out
 
