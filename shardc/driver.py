@@ -42,6 +42,9 @@ class SearchOutcome:
     chosen_from: str = "rl"  # the policy whose strategy was kept (a baseline if it was better)
     searched: SearchResult | None = None  # the requested searcher's own result
     best_practice: SearchResult | None = None  # the best-practice baseline's sweep
+    # the space the search ran in (the user's fixed degrees, every experts split), where
+    # ``space`` is the experts re-split copy the plan decodes in; None: ``space``
+    search_space: StrategySpace | None = None
 
 
 def _canonical_when_tp1(space, objective, action, value):
@@ -174,10 +177,11 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     if result.best_action is None or not np.isfinite(result.best_value):
         raise InfeasibleError(
             infeasible_message(graph, mesh, cost_model.hw, workload, cost_model, space))
+    search_space = None
     if result.space is not None:  # an engine's experts re-split: the plan's space is its
         for base in baselines.values():  # the baselines keep decoding in the whole space
             base.space = base.space or space
-        space = result.space
+        search_space, space = space, result.space
         objective = cost_model_objective(cost_model, space)
     best = _canonical_when_tp1(space, objective, result.best_action, result.best_value)
     strategy = space.decode(best)
@@ -188,7 +192,7 @@ def search_pass(graph: Graph, mesh: Mesh, hardware, workload: Workload, policy: 
     exact_value = searched.best_value if policy == "exact" and complete else None
     return SearchOutcome(annotated, strategy, space, cost_model, result, megatron,
                          exact_value=exact_value, chosen_from=chosen_from, searched=searched,
-                         best_practice=baselines["best_practice"])
+                         best_practice=baselines["best_practice"], search_space=search_space)
 
 
 def runtime_infeasible(runtime: str, engine_result, graph, mesh, cost_model, workload,

@@ -90,6 +90,9 @@ def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload,
                       mesh.gpus_per_node)
     cm = (outcome.cost_model if outcome.cost_model.kernel_options["engine"] == engine
           else CostModel(graph, mesh, hw, workload, kernels=kernels, engine=engine))
+    # the engine searches the space the plan's search ran in (every experts split), not the
+    # re-split copy the plan decodes in
+    space = outcome.search_space or space
     found = search_engine("exact", space, engine, cost_model=cm,
                           time_limit_s=LAUNCH_EXACT_LIMIT_S)
     name = ENGINE_NAMES[engine]

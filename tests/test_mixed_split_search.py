@@ -201,3 +201,30 @@ def test_resplit_copies_keep_a_dp_attn_that_does_not_divide_the_experts():
         found[engine] = splits
     assert (1, 16, 1) in found["vllm"] and not any(1 < me for _, _, me in found["vllm"])
     assert {(1, 16, 1), (1, 2, 8)} <= found["sglang"]
+
+
+def test_launch_entries_search_every_split_when_the_plan_is_a_resplit():
+    """Mixtral-8x7B 8x128 decode: the dtensor plan is a mixed split (tp=1 pp=2 dp_attn=8 with
+    the experts TP2 x EP4, found by re-pricing the search's best rows), decoded in its
+    re-split copy; each engine's launch entry still searches the whole space (every split),
+    not that copy: its prediction is the engine's exact optimum there (vLLM: `dp_attn=8,
+    moe_tp=8, pp=2`, which the copy at moe_tp=2 does not hold)."""
+    from types import SimpleNamespace
+
+    from shardc.driver import search_pass
+    from shardc.launch_plan import single_phase_entry
+
+    g, m, hw, w, space, _ = _setup("mixtral_8x7b", "8x128", phase="decode")
+    outcome = search_pass(g, m, hw, w, policy="rl", budget=200, seed=0, kernels="silicon")
+    d = outcome.strategy.degrees
+    assert _mixed(d) and outcome.search_space is not None
+    assert outcome.space.fixed.get("moe_tp") == d.moe_tp
+    value = float(outcome.result.best_value)
+    plan = SimpleNamespace(workload={"phase": "decode", "context": w.context},
+                           predicted={"tok_s_per_gpu": value}, search={"policy": "rl"})
+    for engine in ("vllm", "sglang", "trtllm"):
+        entry = single_phase_entry(engine, plan, outcome, graph=g, mesh=m, hw=hw, workload=w,
+                                   kernels="silicon", runtime="dtensor")
+        cm = CostModel(g, m, hw, w, kernels="silicon", engine=engine)
+        best = search_engine("exact", space, engine, cost_model=cm).result.best_value
+        assert entry["predicted"]["tok_s_per_gpu"] == pytest.approx(best, rel=1e-9)
