@@ -228,3 +228,24 @@ def test_launch_entries_search_every_split_when_the_plan_is_a_resplit():
         cm = CostModel(g, m, hw, w, kernels="silicon", engine=engine)
         best = search_engine("exact", space, engine, cost_model=cm).result.best_value
         assert entry["predicted"]["tok_s_per_gpu"] == pytest.approx(best, rel=1e-9)
+
+
+def test_sglang_dp_attention_inside_tp_spells_a_resplit_with_ep_size():
+    """SGLang's dp-attention mode at tp=8, dp_attn=1 (attention data-parallel inside the tp
+    group) with the experts TP2 x EP4: ``--tp-size 8 --dp-size 8 --enable-dp-attention
+    --ep-size 4`` -- the experts split is said even though dp_attn is 1."""
+    from shardc.ir.engines import ENGINE_MODES, mode_row
+    from shardc.ir.space import with_experts_split
+
+    _, _, _, _, space, _ = _setup("mixtral_8x7b", "8x1", phase="decode")
+    copy = with_experts_split(space, 2)
+    mode = next(m for m in ENGINE_MODES["sglang"] if m.attention == "dp")
+    row = mode_row(copy, mode, copy.values["tp"].index(8))
+    s = Strategy(Degrees(tp=8, ep=1, pp=1, dp=1, moe_tp=2, moe_ep=4), 64,
+                 {slot: int(c) for slot, c in zip(copy.op_slots, row)})
+    pool = LaunchPool.of("decode", s, copy, 4096, 0.9)
+    assert pool.dp_attention
+    flags = engine_flags("sglang", pool)
+    assert flags[flags.index("--tp-size") + 1] == "8"
+    assert flags[flags.index("--dp-size") + 1] == "8"
+    assert flags[flags.index("--ep-size") + 1] == "4"
