@@ -91,7 +91,8 @@ def test_tp_sharded_matmul_hand_computed():
     b = Batch(hw=hw, phase="prefill", tp=8 * one, ep=one, sp=one, seqs=one, seqs_resident=one,
               tokens=4096 * one, expert_tokens=one, lm_tokens=one, context=1, kv_context=1,
               prompt=4096, residual=np.zeros(1, int), groups={}, hidden=8192, top_k=1,
-              num_experts=0, weight_bytes=2, act_bytes=2, kv_bytes=2, gemm_peak=989.4e12)
+              num_experts=0, weight_bytes=2, act_bytes=2, kv_bytes=2, ssm_bytes=2,
+              gemm_peak=989.4e12)
     div = np.array([[1.0, 8.0, 8.0, 1.0, 8.0]])  # column parallel
     oc = linear_cost(fop, div, 4096 * one, b)
     compute = 2 * 4096 * 8192 * 1280 / (989.4e12 * 0.8)  # 108.52 us
