@@ -24,7 +24,7 @@ from shardc.cost import load_hardware
 from shardc.errors import InfeasibleError
 from shardc.ir.engines import ENGINE_NAMES, ENGINES
 from shardc.ir.strategy import Mesh, Workload
-from shardc.serving import serve_search
+from shardc.serving.search import serve_search
 
 HERE = Path(__file__).resolve().parent
 MUST = [("GLM-4.5-Air 8x1 decode", "examples/configs/glm4_5_air/config.json", "8x1", 1515.0),

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shardc.api import load_model_graph  # noqa: E402
-from shardc.cost.serving import pool_cost_model, pool_workload  # noqa: E402
 from shardc.ir.space import StrategySpace, megatron_op_choices  # noqa: E402
 from shardc.ir.strategy import Degrees, Mesh, Strategy, Workload  # noqa: E402
+from shardc.serving.pool_models import pool_cost_model, pool_workload  # noqa: E402
 
 CONFIG = ROOT / "examples" / "configs" / "llama3_1_70b" / "config.json"
 # (hardware, engine, isl, osl, TTFT SLO ms, TPOT SLO ms, {batch: reference text})

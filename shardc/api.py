@@ -222,7 +222,7 @@ def compile_with_outcome(model, example_inputs=None, mesh: str | Mesh = "8x1",
                                   runtime=runtime)
         if launch:
             from shardc.launch_plan import attach_launch
-            from shardc.serving import serve_search
+            from shardc.serving.search import serve_search
 
             attach_launch(plan, out, graph=graph, mesh=mesh, hw=hw, workload=workload,
                           fixed=fixed, kernels=kernels, runtime=runtime, model_id=model_id,
@@ -329,13 +329,13 @@ def compile_serve(graph: Graph, mesh: Mesh, hw, workload: Workload, search: str,
                   seed: int, progress, fixed: dict, t0: float, kernels: str = "silicon",
                   engine: str = "vllm", allow_cross_node_tp: bool = False,
                   runtime: str = "dtensor"):
-    """``--phase serve``: the serving search (:func:`shardc.serving.serve_search`) and the
+    """``--phase serve``: the serving search (:func:`shardc.serving.search.serve_search`) and the
     plan of its choice -- top level = the mixed pool (agg) or the decode pool (disagg), with
     plan.json's ``serving`` section; ``outcome.pool_plans`` holds one Plan per pool (for
     ``parallelize_<role>.py``). Returns (plan, outcome)."""
     from shardc.passes.annotate import annotate
     from shardc.plan import build_plan, op_rows
-    from shardc.serving import serve_search
+    from shardc.serving.search import serve_search
 
     out = serve_search(graph, mesh, hw, workload, policy=search, budget=budget, seed=seed,
                        progress=progress, fixed=fixed, kernels=kernels, engine=engine,

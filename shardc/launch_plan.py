@@ -5,7 +5,7 @@ expresses (:mod:`shardc.ir.engines`) with ``exact`` (one op row per tp makes it 
 degrees x batch: small), priced with that engine's kernel tables (the traced graph is
 reused; only the engine's CostModel is new). Single-phase compiles search the plan's own
 space (its fixed degrees and NVLink rule); ``--phase serve`` runs the serving search
-(:func:`shardc.serving.serve_search`) restricted to the engine, so each pool (mixed, or
+(:func:`shardc.serving.search.serve_search`) restricted to the engine, so each pool (mixed, or
 prefill + decode) is the engine's best and the SLOs hold. The engine the plan was searched
 for (``--runtime``) gets the plan itself. When nothing the engine expresses fits, the entry
 has no pools and says why (no script is written; the compile still succeeds). Every pool
@@ -116,7 +116,7 @@ def single_phase_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload,
 def serve_entry(engine: str, plan, outcome, *, graph, mesh, hw, workload, fixed, kernels,
                 runtime, allow_cross_node_tp, serve_search) -> dict:
     """``launch.<engine>`` of a ``--phase serve`` compile (module docstring);
-    ``serve_search``: :func:`shardc.serving.serve_search` (passed in: same import rank)."""
+    ``serve_search``: :func:`shardc.serving.search.serve_search` (passed in: same import rank)."""
     wl = plan.workload
     length = int(wl["isl"]) + int(wl["osl"])
     mem = 1.0 - float(hw.headroom)

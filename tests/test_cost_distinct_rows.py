@@ -14,10 +14,10 @@ from shardc.cost import model as cost_model
 from shardc.cost.distinct_rows import context_ids, distinct_keys
 from shardc.cost.layer_costs import branch_cost
 from shardc.cost.scheduler import evaluate_scheduled
-from shardc.cost.serving import pool_cost_model, pool_workload
 from shardc.ir.space import DEGREE_COMPONENTS, StrategySpace
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search.legal import LegalSampler
+from shardc.serving.pool_models import pool_cost_model, pool_workload
 from tests.cost_graphs import fixture_graph
 
 SERVE = Workload(phase="serve", isl=4096, osl=512, tpot_slo_ms=50, ttft_slo_ms=2000)
@@ -106,7 +106,7 @@ def test_context_ids_and_distinct_keys():
 def test_tag_selection_equals_the_copied_rows():
     """PoolObjective.table(tags) (memoised, wide columns taken on use) holds the rows of
     those searches, in the order of the list."""
-    from shardc.serving_pools import PoolObjective
+    from shardc.serving.pools import PoolObjective
 
     g = fixture_graph("mixtral_8x7b")
     m = Mesh.parse("8x1")

@@ -20,7 +20,7 @@ from shardc.ir.space import StrategySpace, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search import run_search
 from shardc.search.engine_search import engine_mode_spaces, search_engine
-from shardc.serving import serve_search
+from shardc.serving.search import serve_search
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL = str(ROOT / "examples" / "configs" / "mixtral_8x7b" / "config.json")
@@ -239,7 +239,7 @@ def test_serve_baselines_are_the_best_over_the_swept_splits():
     (each split's own search ran them at the same budget), not the default split's alone --
     which here is beaten by a re-split's (the default's is what --runtime dtensor, sweeping
     no split, reports)."""
-    from shardc.serving_splits import serve_splits
+    from shardc.serving.splits import serve_splits
 
     g, mesh = load_graph(MIXTRAL), Mesh.parse("8x1")
     wl = Workload(phase="serve", mode="agg", isl=256, osl=64)

@@ -30,7 +30,7 @@ from shardc.ir.engines import ENGINES, strategy_mode
 from shardc.ir.space import StrategySpace, nvlink_tp_domain
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search.engine_search import search_engine
-from shardc.serving import serve_search
+from shardc.serving.search import serve_search
 
 BASH = shutil.which("bash")
 SAME_SHAPES = {"llama3_1_70b": "llama3_70b"}  # Llama 3.1 70B: Llama 3 70B's shapes

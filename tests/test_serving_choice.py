@@ -2,7 +2,7 @@
 
 Rows with random values, latencies and feasibility are recorded under the run's search tags
 (the policy, the baselines, the exact sweep) in real pools (the mixtral fixture graph's
-spaces and cost models, 8x2 mesh); :func:`shardc.serving.summarise` must then return a plan
+spaces and cost models, 8x2 mesh); :func:`shardc.serving.search.summarise` must then return a plan
 that no printed alternative, SLO move at tighter SLOs, per-mode best or baseline beats, and
 that equals the brute-force best of the feasible rows (agg)."""
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardc.cost.serving import pool_cost_model, pool_workload
 from shardc.ir.space import DECODE_BATCHES, StrategySpace
 from shardc.ir.strategy import Mesh, Workload
 from shardc.search import SearchResult
 from shardc.search.legal import LegalSampler
-from shardc.serving import half_mesh, summarise
-from shardc.serving_pools import PoolObjective, PoolSearch
+from shardc.serving.pool_models import pool_cost_model, pool_workload
+from shardc.serving.pools import PoolObjective, PoolSearch
+from shardc.serving.search import half_mesh, summarise
 from tests.cost_graphs import fixture_graph
 
 TAGS = ("rl", "megatron", "best_practice", "exact")

@@ -1,4 +1,4 @@
-"""The serving cost (shardc.cost.serving): the aggregated mixed step and the disaggregated
+"""The serving cost (shardc.serving.pool_models): the aggregated mixed step and the disaggregated
 pools reduce to the decode model in their limits; the Pareto envelope is monotone."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 
 from shardc.cost import CostModel
-from shardc.cost.serving import (
+from shardc.ir.space import StrategySpace
+from shardc.ir.strategy import Mesh, Workload
+from shardc.search.legal import LegalSampler
+from shardc.serving.pool_models import (
     best_ratio,
     kv_transfer_s,
     pool_cost_model,
     pool_workload,
     upper_envelope,
 )
-from shardc.ir.space import StrategySpace
-from shardc.ir.strategy import Mesh, Workload
-from shardc.search.legal import LegalSampler
 from tests.cost_graphs import fixture_graph
 
 MESH = Mesh.parse("8x1")
@@ -234,7 +234,7 @@ def test_every_workload_field_reaches_every_pool(field_name, role):
     dropped); only the fields a pool sets itself (POOL_REWRITTEN) take the pool's values."""
     from dataclasses import fields, replace
 
-    from shardc.cost.serving import POOL_REWRITTEN
+    from shardc.serving.pool_models import POOL_REWRITTEN
 
     f = next(f for f in fields(Workload) if f.name == field_name)
     wl = replace(SERVE, **{field_name: _non_default(f)})

@@ -148,7 +148,7 @@ def test_simulate_serve_prices_the_batch_asked(capsys):
 
 
 def test_serve_longer_than_the_model_positions_is_refused():
-    from shardc.serving import check_serve_positions
+    from shardc.serving.search import check_serve_positions
     from tests.cost_graphs import fixture_graph
 
     g = fixture_graph("tiny_llama")

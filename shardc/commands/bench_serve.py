@@ -1,7 +1,7 @@
 """``shardc bench --suite serve``: the serving cases (SPEC section 8), one row per policy.
 
 A row's value is the serving deployment's output tok/s/GPU of the whole mesh
-(:func:`shardc.serving.serve_search` with only that policy besides the Megatron sweep, whose
+(:func:`shardc.serving.search.serve_search` with only that policy besides the Megatron sweep, whose
 plan is kept when better, as compile does); ``megatron`` (and ``best_practice`` where
 search/ has it) are the baselines solved under the same serving model; ``exact`` the
 certified optimum (``complete`` False when a pool's sweep hit the time limit). The case's
@@ -32,7 +32,7 @@ def run_serve_case(case: dict, policies: list[str], budget: int, seeds: int,
     the throughput-setting pool}}."""
     from shardc.errors import InfeasibleError
     from shardc.ir.strategy import Mesh
-    from shardc.serving import serve_search
+    from shardc.serving.search import serve_search
 
     graph = cached_graph(case["model"])
     mesh = Mesh.parse(case["mesh"])

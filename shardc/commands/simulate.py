@@ -176,8 +176,8 @@ def run(args) -> int:
     split = ({"moe_tp": deg.moe_tp, "moe_ep": deg.moe_ep, "ep": deg.ep}
              if deg.experts_resplit else {})
     if workload.phase == "serve":  # one aggregated pool (SPEC section 3)
-        from shardc.cost.serving import pool_cost_model, pool_workload
-        from shardc.serving import check_serve_positions
+        from shardc.serving.pool_models import pool_cost_model, pool_workload
+        from shardc.serving.search import check_serve_positions
 
         if workload.mode == "disagg":
             raise InputError("simulate --phase serve prices one aggregated pool (--mode agg); "

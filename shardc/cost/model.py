@@ -16,7 +16,7 @@ independent, so per-GPU numbers are per replica):
   (pp-1)/(m+pp-1)); with pp = 1 the whole batch is one pass. ``TTFT`` = time until the
   last sequence's prefill finishes; ``tok/s/GPU = batch * prompt / TTFT / replica_gpus``
   (prompt tokens); ``tpot_ms`` is NaN;
-* decode with ``mixed_prefill`` > 0 (aggregated serving, :mod:`shardc.cost.serving`): every
+* decode with ``mixed_prefill`` > 0 (aggregated serving, :mod:`shardc.serving.pool_models`): every
   step also carries a chunk of ``mixed_prefill`` prompt tokens per running sequence (chunked
   prefill in in-flight batching); GEMMs see decode + chunk tokens, attention decodes the
   running sequences and runs context attention for the chunk (``workload.prompt`` = the input
@@ -103,7 +103,7 @@ class CostModel:
     tables cover the hardware, :mod:`shardc.cost.silicon`) and ``engine`` (whose kernels).
     ``kernel_source`` says what prices the model (``"roofline"`` or
     ``"silicon:<engine>-<version>:<system>"``), ``kernel_reason`` why not silicon; for serving
-    (:mod:`shardc.cost.serving`): ``attend_context`` (positions a decode step attends, tokens;
+    (:mod:`shardc.serving.pool_models`): ``attend_context`` (positions a decode step attends, tokens;
     default the workload's context, which is also the KV length held per sequence),
     ``mixed_prefill`` (prompt tokens per running sequence per decode step; 0 = pure decode)
     ``token_budgets`` (with ``mixed_prefill``: the scheduler's token budget candidates,

@@ -22,7 +22,7 @@ Request-level model (all arrays ``[B, K]`` over strategies x budget candidates):
   then its own prompt's chunks, one mixed step each; its first token comes out of the last.
 
 Where the budget binds every step (``P = s + d``: ``c = d``, ``rho = 1``) this is the
-steady-state average of :mod:`shardc.cost.serving` exactly (``TPOT = t_mix(d)``, ``TTFT =
+steady-state average of :mod:`shardc.serving.pool_models` exactly (``TPOT = t_mix(d)``, ``TTFT =
 (ceil(isl / d) + 0.5) * TPOT``; tested). SGLang's default runs a prefill batch apart from the
 decode batch instead of mixing them (``--enable-mixed-chunk`` mixes); the mixed step prices
 both with one pass over the weights, a lower bound on the separate passes. Percentiles of

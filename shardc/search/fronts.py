@@ -1,6 +1,6 @@
 """Fronts and per-key bests over arrays of evaluated rows (pure numpy, no decoding).
 
-The serving solve (:mod:`shardc.serving`) reads up to millions of recorded rows (an exact
+The serving solve (:mod:`shardc.serving.search`) reads up to millions of recorded rows (an exact
 sweep's); these pick the few rows worth turning into strategies, so only those are decoded.
 """
 

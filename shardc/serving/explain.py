@@ -1,4 +1,4 @@
-"""Why a serving plan stops where it does (:mod:`shardc.serving`): the constraint binding the
+"""Why a serving plan stops where it does (:mod:`shardc.serving.search`): the constraint binding the
 throughput-setting pool, and what is short when nothing meets the SLOs."""
 
 from __future__ import annotations

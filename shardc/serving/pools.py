@@ -1,4 +1,4 @@
-"""A serving pool's recorded rows and the solves over them (:mod:`shardc.serving` searches).
+"""A serving pool's recorded rows and the solves over them (:mod:`shardc.serving.search` searches).
 
 :class:`PoolObjective` records every row a search evaluates in one pool (action, value =
 the pool's tok/s/GPU, TPOT and TTFT in ms, whether memory and divisibility pass, which search
@@ -8,7 +8,7 @@ produced it); the solvers read those rows back:
   tok/s/GPU of the mesh: dp replicas tile it);
 * :func:`solve_disagg` / :func:`disagg_points`: per prefill worker size the best prompts/s
   meeting TTFT (prefill + KV transfer), per decode row its requests/s meeting TPOT, combined
-  over worker ratios (:func:`shardc.cost.serving.best_ratio`);
+  over worker ratios (:func:`shardc.serving.pool_models.best_ratio`);
 * :func:`agg_points`: the aggregated (TPOT, tok/s/GPU) front meeting TTFT.
 """
 
@@ -20,11 +20,11 @@ import numpy as np
 
 from shardc.cost import CostModel
 from shardc.cost.model import NO_MEMORY, OK, TPOT_SLO, TTFT_SLO
-from shardc.cost.serving import best_ratio
 from shardc.ir.space import StrategySpace
 from shardc.ir.strategy import Strategy, Workload
 from shardc.search.fronts import latency_front
 from shardc.search.objective import CostModelObjective
+from shardc.serving.pool_models import best_ratio
 
 _TAKEN_ON_USE = ("actions", "tag")  # wide / object columns a selection does not copy
 

@@ -56,7 +56,7 @@ def pool_workload(wl: Workload, role: str) -> Workload:
     """The single-phase workload a pool's CostModel prices (``role`` in :data:`ROLES`):
     mixed and decode steps hold ``isl + osl`` tokens per sequence; prefill runs ``isl``-token
     prompts; the batch is searched (a serving ``--batch`` is a cap, applied to the space by
-    :func:`shardc.serving.capped_batches`); every other field (the SLOs, ``weights``,
+    :func:`shardc.serving.search.capped_batches`); every other field (the SLOs, ``weights``,
     ``kv_cache``, ``isl`` / ``osl``, ``mode`` and any field added later) is the serving
     workload's own (:data:`POOL_REWRITTEN` names the fields a pool rewrites)."""
     held, _ = decode_context(wl)

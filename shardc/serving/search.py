@@ -1,7 +1,7 @@
 """The serving search (SPEC section 11): ``--phase serve``, aggregated or disaggregated pools.
 
 Each pool is searched in its own :class:`~shardc.ir.space.StrategySpace` with the pool's
-CostModel (:mod:`shardc.cost.serving`) through a :class:`PoolObjective`, which records every
+CostModel (:mod:`shardc.serving.pool_models`) through a :class:`PoolObjective`, which records every
 evaluated row (action, value, TPOT, TTFT, whether memory and divisibility pass, which search
 produced it). Everything reported is then *solved from the recorded rows*:
 
@@ -9,7 +9,7 @@ produced it). Everything reported is then *solved from the recorded rows*:
   replicas tile it);
 * disagg: per prefill worker size the best prompts/s meeting TTFT (prefill + KV transfer),
   per decode row its requests/s meeting TPOT, combined over worker ratios
-  (:func:`shardc.cost.serving.best_ratio`) -- the per-pool choices are independent given the
+  (:func:`shardc.serving.pool_models.best_ratio`) -- the per-pool choices are independent given the
   ratio, so searching each pool and combining is exact when each pool's search is;
 * the Pareto front: the same solve with the TPOT SLO lifted, upper envelope of (tok/s/user,
   tok/s/GPU);
@@ -28,12 +28,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from shardc.cost.serving import (
-    kv_transfer_s,
-    pool_cost_model,
-    pool_workload,
-    upper_envelope,
-)
 from shardc.errors import InfeasibleError, InputError
 from shardc.ir.graph import Graph
 from shardc.ir.space import DECODE_BATCHES, StrategySpace
@@ -41,8 +35,14 @@ from shardc.ir.strategy import Mesh, Workload
 from shardc.search import POLICIES, run_search
 from shardc.search.engine_search import search_engine
 from shardc.search.fronts import best_per_key
-from shardc.serving_explain import binding_constraint, nothing_fits
-from shardc.serving_pools import (
+from shardc.serving.explain import binding_constraint, nothing_fits
+from shardc.serving.pool_models import (
+    kv_transfer_s,
+    pool_cost_model,
+    pool_workload,
+    upper_envelope,
+)
+from shardc.serving.pools import (
     PoolObjective,
     PoolSearch,
     ServeChoice,
@@ -53,7 +53,7 @@ from shardc.serving_pools import (
     solve_agg,
     solve_disagg,
 )
-from shardc.serving_splits import best_over_splits, serve_splits
+from shardc.serving.splits import best_over_splits, serve_splits
 
 SLO_MOVES = (0.8, 1.2)
 EXACT_LIMIT_S = 20.0  # CPU seconds per pool, for the optimum fraction
@@ -162,7 +162,7 @@ def serve_search(graph: Graph, mesh: Mesh, hardware, wl: Workload, policy: str =
     prices the ops; tp stays in one NVLink domain unless ``allow_cross_node_tp``. With a MoE
     model, every experts split the ``runtime`` runs (an engine: what it spells; dtensor: none
     unless ``DTENSOR_SEARCH_SWEEPS_RESPLITS``) is searched as its own fixed-split search and the best deployment kept
-    (:mod:`shardc.serving_splits`)."""
+    (:mod:`shardc.serving.splits`)."""
     args = dict(policy=policy, budget=budget, seed=seed, progress=progress,
                 extra_policies=extra_policies, kernels=kernels, engine=engine,
                 allow_cross_node_tp=allow_cross_node_tp, runtime=runtime)

@@ -1,6 +1,6 @@
 """The serving search over the experts splits (``moe_tp x moe_ep``, docs/deploy.md
 "Attention data parallel with the experts split their own way"): with a MoE model the whole
-serving search (:func:`shardc.serving.serve_search`) runs once at the default split and once
+serving search (:func:`shardc.serving.search.serve_search`) runs once at the default split and once
 per ``moe_tp`` value giving some re-split the runtime runs (:func:`shardc.ir.engines.
 searched_splits`: an engine's flags, all-TP, all-EP and mixed splits alike; dtensor:
 :func:`shardc.ir.engines.dtensor_runs_split`, when switched on), each a fixed-split search,
@@ -11,10 +11,10 @@ moe_tp`` at each pool's degrees)."""
 from __future__ import annotations
 
 from shardc.cost import load_hardware
-from shardc.cost.serving import pool_workload
 from shardc.errors import InfeasibleError, InputError
 from shardc.ir import engines
 from shardc.ir.space import StrategySpace, nvlink_tp_domain
+from shardc.serving.pool_models import pool_workload
 
 
 def serve_splits(graph, mesh, hardware, wl, fixed, runtime: str,
