@@ -31,7 +31,11 @@ Grids (all latencies in SECONDS; sizes as the tables give them):
 Cleaning, stated once: duplicate rows (several kernels for one shape) keep the fastest (the
 engine picks its fastest kernel); along each size axis the latency is made non-decreasing
 (running max: more work never takes less time; this removes measurement noise the search
-could otherwise exploit); a hole where a longer sequence did not fit at a large batch is
+could otherwise exploit), after a cell more than 3x both neighbouring sizes' measurements
+is lowered to the larger one's (a glitch: the H200 TensorRT-LLM MLA generation table holds 1.47 ms at batch 2 and KV
+length 32 among 0.013-0.016 ms neighbours, which the running max carried to every larger
+batch and length -- DeepSeek-V3 decode attention priced 1.47 ms at batch 16 and 4096 tokens
+instead of 0.057 ms); a hole where a longer sequence did not fit at a large batch is
 filled proportionally in batch from the largest measured batch (sequences are independent).
 """
 
@@ -174,8 +178,22 @@ def _read(path: Path, columns: list[str]):
     return pq.read_table(path, columns=columns).to_pandas()
 
 
+# a cell more than SPIKE x both its neighbours along a size axis is a measurement glitch
+SPIKE = 3.0
+
+
 def _monotone(a: np.ndarray, axis: int) -> np.ndarray:
-    """Running max along ``axis`` ignoring NaN (NaN stays NaN)."""
+    """Running max along ``axis`` ignoring NaN (NaN stays NaN), after each spike -- an
+    interior cell more than :data:`SPIKE` x both its neighbours along ``axis`` -- is lowered
+    to the next (larger) one: the running max would otherwise carry one glitch to every
+    larger size. A slow regime (small sizes slower than larger ones, several cells long) is
+    the engine's kernel choice and is kept."""
+    m = np.moveaxis(np.asarray(a, dtype=np.float64), axis, 0).copy()
+    if m.shape[0] > 2:
+        mid, prev, nxt = m[1:-1], m[:-2], m[2:]
+        spike = (mid > SPIKE * prev) & (mid > SPIKE * nxt)
+        m[1:-1] = np.where(spike, nxt, mid)
+    a = np.moveaxis(m, 0, axis)
     filled = np.where(np.isnan(a), -np.inf, a)
     run = np.maximum.accumulate(filled, axis=axis)
     return np.where(np.isnan(a), np.nan, run)
