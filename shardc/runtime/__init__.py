@@ -41,8 +41,9 @@ from shardc.runtime.styles import (
 )
 
 # inlined in this order by ``--standalone`` (the fast runtime after the styles it runs on)
-SOURCES = ("styles.py", "head_slices.py", "router.py", "experts.py", "apply.py", "kv_cache.py", "local_ops.py",
-           "gpt_moe_local.py", "dbrx_local.py", "moe_local.py", "mla_local.py", "gathered_experts.py",
+SOURCES = ("styles.py", "head_slices.py", "router.py", "experts.py", "apply.py", "kv_cache.py",
+           "local_ops.py", "gpt_moe_local.py", "dbrx_local.py", "moe_local.py", "mla_local.py",
+           "mamba2_local.py", "gathered_experts.py",
            "fast.py", "generate.py",
            "bench.py")
 PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline stages

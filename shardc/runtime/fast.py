@@ -61,6 +61,7 @@ from shardc.runtime.local_ops import (
     repeat_kv_heads,
     rope,
 )
+from shardc.runtime.mamba2_local import HybridBlock, is_hybrid_block
 from shardc.runtime.mla_local import LatentAttention, PerHeadLatentAttention
 from shardc.runtime.moe_local import DenseMLP, ExpertsLocal, PlainMLP, shared_branch
 
@@ -271,6 +272,9 @@ class Layer:
         self.mlp = None if self.experts else dense(mlp, kind_walk["mlp"], tp)
         self.shared = shared_branch(mlp, kind_walk, tp) if self.experts else None
 
+    def alloc(self, cache: KVCache, rows: int) -> None:
+        self.attn.alloc(cache, rows)
+
     def __call__(self, h, residual, cache, steps, upto, rope_tables, prefill):
         x = h if self.ln1 is None else norm_of(self.ln1, h)
         a = self.attn(x, residual, cache, steps, upto, rope_tables, prefill)
@@ -292,6 +296,16 @@ class Layer:
         if self.post_ff is not None:
             out = norm_of(self.post_ff, out)
         return h + (out if self.res_mult == 1.0 else out * self.res_mult)
+
+
+def _layer(layer, kind_walk: dict, tp: Group, ep: Group, cfg, i: int):
+    """The runtime's layer ``i``: a Nemotron-H block (its one mixer: Mamba-2, attention --
+    this module's -- or the MLP; :mod:`shardc.runtime.mamba2_local`) or a decoder layer."""
+    if not is_hybrid_block(layer):
+        return Layer(layer, kind_walk, tp, ep, cfg, i)
+    attention = Attention(layer.mixer, kind_walk["attention"], tp, cfg, i) \
+        if layer.block_type == "full_attention" else None
+    return HybridBlock(layer, kind_walk, tp, i, attention)
 
 
 class FastModel:
@@ -328,9 +342,10 @@ class FastModel:
         inner = getattr(inner, "language_model", inner)  # a multimodal model's text model
         kind_of = {i: k for k, idx in layer_kinds.items() for i in idx}
         layers = inner.h if gpt2 else inner.blocks if dbrx else inner.layers
-        self.layers = {i: Layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
+        self.layers = {i: _layer(layers[i], walks["kinds"][kind_of[i]], self.tp, self.ep, cfg, i)
                        for i in range(len(layers)) if any(True for _ in layers[i].parameters())}
-        embed = inner.wte if gpt2 or dbrx else inner.embed if plain else inner.embed_tokens
+        embed = inner.wte if gpt2 or dbrx else inner.embed if plain else \
+            inner.embeddings if hasattr(inner, "embeddings") else inner.embed_tokens  # Nemotron-H
         # a pipeline stage's dropped embedding / lm_head: None (HF) or a pass-through
         self.first = hasattr(embed, "weight")
         self.last = hasattr(getattr(model, "lm_head", None), "weight")
@@ -345,7 +360,8 @@ class FastModel:
             # Granite's embedding multiplier (a Python float, as HF multiplies by it)
             self.embed_mult = float(getattr(inner, "embedding_multiplier", 1.0) or 1.0)
         if self.last:
-            self.norm = inner.ln_f if gpt2 or plain else inner.norm_f if dbrx else inner.norm
+            self.norm = inner.ln_f if gpt2 or plain else \
+                inner.norm_f if dbrx or hasattr(inner, "norm_f") else inner.norm  # Nemotron-H
             self.head = local_tensor(model.lm_head.weight)
             self.head_bias = None if model.lm_head.bias is None else local_tensor(model.lm_head.bias)
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -382,7 +398,7 @@ class FastModel:
         held_rows(rows, self.residual, self.tp)
         cache = KVCache(rows, context, self.device, self.dtype)
         for layer in self.layers.values():
-            layer.attn.alloc(cache, rows)
+            layer.alloc(cache, rows)
         if self.theta is not None:
             self._tables = {None: rotary_tables(*self.theta, context, self.device, self.dtype)}
         for kind in (set(self.rope_type.values()) if self.rotary is not None else ()):

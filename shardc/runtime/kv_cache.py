@@ -10,7 +10,10 @@ plan's context, holding only what this rank attends over:
   rope key ``[rows, slots, qk_rope_head_dim]`` (no per-head keys / values); after a ``row``
   qkv (or a ``col`` one before a batch split) per-head ``k_nope | k_rope`` keys and values
   (:mod:`shardc.runtime.mla_local`);
-* a sliding-window layer: ``min(context, window)`` slots used as a ring.
+* a sliding-window layer: ``min(context, window)`` slots used as a ring;
+* a Mamba-2 layer (:mod:`shardc.runtime.mamba2_local`): no slots, a constant state per row
+  (:class:`RecurrentState`: the conv window ``[rows, conv channels, kernel - 1]`` and the SSM
+  state ``[rows, heads, head_dim, state]`` of this rank's heads), zeroed by :meth:`KVCache.reset`.
 
 Time is counted in *steps*: the prompt (left padded to one length ``P``) fills steps
 ``0 .. P-1`` and decode step ``t`` writes step ``t`` of every row. Row ``b``'s first real
@@ -68,14 +71,31 @@ class LayerCache:
                 self.slot_step[:n])
 
 
+class RecurrentState:
+    """One recurrent layer's per-row state (no sequence length): ``conv [rows, channels,
+    kernel - 1]`` (the last inputs of the causal convolution) and ``ssm [rows, heads,
+    head_dim, state]``, held in the model's dtype (as the cost model counts it:
+:mod:`shardc.ir.recurrent`; the scan computes in fp32); ``rows`` (which of
+    the cache's rows it holds)."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, rows: slice = slice(None)):
+        self.conv, self.ssm, self.rows = conv, ssm, rows
+
+    def zero(self) -> None:
+        self.conv.zero_()
+        self.ssm.zero_()
+
+
 class KVCache:
-    """This rank's cache: ``layers`` (layer index -> :class:`LayerCache`), ``start``
+    """This rank's cache: ``layers`` (layer index -> :class:`LayerCache`), ``states`` (layer
+    index -> :class:`RecurrentState`), ``start``
     (``[rows]`` int64, each row's first real step), ``step`` (the next step to write, a
     device scalar a captured graph reads) and ``filled`` (the same, as a Python int)."""
 
     def __init__(self, rows: int, context: int, device, dtype=torch.float32):
         self.rows, self.context, self.device, self.dtype = rows, int(context), device, dtype
         self.layers: dict[int, LayerCache] = {}
+        self.states: dict[int, RecurrentState] = {}
         self.start = torch.zeros(rows, dtype=torch.long, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.filled = 0
@@ -103,15 +123,29 @@ class KVCache:
         self.layers[layer] = LayerCache(k, v, 1, window, rows)
         return self.layers[layer]
 
+    def add_state(self, layer: int, rows: slice, channels: int, kernel: int, heads: int,
+                  head_dim: int, state: int) -> RecurrentState:
+        """Preallocate a recurrent layer's state for ``rows``: a conv window of ``channels``
+        x ``kernel - 1`` and an SSM state of ``heads`` x ``head_dim`` x ``state`` per row."""
+        n = len(range(self.rows)[rows])
+        conv = torch.zeros(n, channels, kernel - 1, device=self.device, dtype=self.dtype)
+        ssm = torch.zeros(n, heads, head_dim, state, device=self.device, dtype=self.dtype)
+        self.states[layer] = RecurrentState(conv, ssm, rows)
+        return self.states[layer]
+
     def nbytes(self) -> int:
-        """Bytes this rank's cache holds (keys, values and latents)."""
+        """Bytes this rank's cache holds (keys, values, latents and recurrent states)."""
         return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
-                   for c in self.layers.values())
+                   for c in self.layers.values()) + sum(
+            s.conv.numel() * s.conv.element_size() + s.ssm.numel() * s.ssm.element_size()
+            for s in self.states.values())
 
     def reset(self, start: torch.Tensor) -> None:
         """Empty every layer and set the rows' first real steps (``start``, ``[rows]``)."""
         for c in self.layers.values():
             c.slot_step.fill_(-1)
+        for st in self.states.values():
+            st.zero()
         self.start.copy_(start)
         self.step.zero_()
         self.filled = 0

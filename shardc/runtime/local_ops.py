@@ -138,8 +138,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (weight * x32).to(dtype) if fp32_weight else weight * x32.to(dtype)
 
 
-# RMSNorms applying their weight in fp32, before the cast back (OLMo-2's), by class name
-FP32_WEIGHT_RMS_NORMS = ("Olmo2RMSNorm",)
+# RMSNorms applying their weight in fp32, before the cast back (OLMo-2's, Nemotron-H's), by
+# class name
+FP32_WEIGHT_RMS_NORMS = ("Olmo2RMSNorm", "NemotronHRMSNorm")
 
 
 # RMSNorms scaling by ``1 + weight`` in fp32 (Gemma's), by class name
