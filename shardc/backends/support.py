@@ -132,8 +132,10 @@ def backend_problem(model: nn.Module) -> str | None:
     from shardc.frontends.stateful_layers import stateful_layers
 
     recurrent = stateful_layers(model)
-    if recurrent:
-        return recurrent_problem(sorted(set(recurrent.values())))
+    runs = _runtime_recurrent_layers(model)
+    refused = {i: k for i, k in recurrent.items() if i not in runs}
+    if refused:
+        return recurrent_problem(sorted(set(refused.values())))
     try:
         ad = adapter_for(model)
     except InputError as e:
@@ -149,11 +151,41 @@ def backend_problem(model: nn.Module) -> str | None:
 
 
 RECURRENT_PROBLEM = "it does not run linear-attention / state-space (recurrent) layers yet"
+# what the fast runtime's Mamba-2 mixer reads (shardc.runtime.mamba2_local.Mamba2Mixer)
+MAMBA2_MIXER = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "num_heads",
+                "n_groups", "head_dim", "ssm_state_size", "chunk_size", "time_step_limit")
+
+
+# a Mamba-2 mixer's parameters other than in_proj / out_proj (the conv, the per-head vectors,
+# the gated group norm), placed by Mamba2HeadsParallel
+MAMBA2_CORE_PARAMS = (".conv1d.weight", ".conv1d.bias", ".A_log", ".D", ".dt_bias",
+                      ".norm.weight")
 
 
 def recurrent_problem(kinds: list[str]) -> str:
-    """The backend's reason for a model with linear-attention / Mamba layers of ``kinds``."""
-    return f"{RECURRENT_PROBLEM} ({', '.join(kinds)})"
+    """The backend's reason for a model with linear-attention / Mamba layers of ``kinds``
+    (those the fast runtime does not run: all but Nemotron-H's Mamba-2 mixers)."""
+    return (f"{RECURRENT_PROBLEM} ({', '.join(kinds)}; of such layers it runs Nemotron-H's "
+            "Mamba-2 mixers only)")
+
+
+def _runtime_recurrent_layers(model) -> set[int]:
+    """Decoder-layer indices whose recurrent part the fast runtime runs: a Nemotron-H block
+    (one ``norm``, one ``mixer``) whose mixer is a Mamba-2 mixer with a gated group norm
+    (:mod:`shardc.runtime.mamba2_local`)."""
+    from shardc.frontends.stateful_layers import layer_index
+
+    out: set[int] = set()
+    for path, mod in model.named_modules():
+        mixer = getattr(mod, "mixer", None)
+        i = layer_index(path)
+        if i is None or getattr(mod, "block_type", None) != "linear_attention" \
+                or not hasattr(mod, "norm") or mixer is None:
+            continue
+        if all(hasattr(mixer, a) for a in MAMBA2_MIXER) and \
+                hasattr(mixer.norm, "group_size") and hasattr(mixer, "act"):
+            out.add(i)
+    return out
 
 
 def _has_fused_experts(plan) -> bool:
@@ -218,11 +250,17 @@ def unplaced_by_styles(graph) -> str | None:
     1-D one read other than as a norm's scale or shift (an attention sink concatenated to
     the scores: one value per head, which a heads split would have to cut) would stay whole
     where the rank holds a share of the heads or features."""
-    if any(n.op == "recurrent_scan" for n in graph.nodes):
-        kinds = sorted({str(n.attrs.get("recurrent")) for n in graph.nodes
-                        if n.op == "recurrent_scan"})
+    kinds = sorted({str(n.attrs.get("recurrent")) for n in graph.nodes
+                    if n.op == "recurrent_scan"} - {"mamba2"})
+    if kinds:
         return recurrent_problem(kinds)
+    mamba2 = {i for k in graph.layer_kinds if k.op("attn_core") is not None
+              and k.op("attn_core").attrs.get("recurrent") == "mamba2" for i in k.layers}
     for n in graph.nodes:
+        if n.layer in mamba2 and n.params and all(
+                p.fqn.endswith(MAMBA2_CORE_PARAMS) for p in n.params):
+            continue  # placed by Mamba2HeadsParallel (a heads split) or whole
+
         if not n.params or n.attrs.get("scalar_gate") or (n.fused_op == "norm" and (
                 n.op == "norm" or _base_op(n.target) in _NORM_ARITHMETIC)):
             continue

@@ -62,6 +62,7 @@ class KindPlan:
     experts: Entry | None = None  # applied on the ep x tp mesh
     kv_replicas: int = 1  # GQA heads split at tp > kv_heads: ranks holding each KV head
     heads: int = 0  # query heads (plan.json model.heads), read when kv_replicas > 1
+    recurrent: str | None = None  # plan.json layer_kinds attention of a recurrent core
 
 
 @dataclass
@@ -144,6 +145,8 @@ def style_plan(plan) -> StylePlan:
     res = residual_placement(deg)
     tp = deg.tp
     kinds, any_experts, container = [], False, None
+    recurrent = {row.get("name"): str(row.get("attention")) for row in plan.layer_kinds or ()
+                 if row.get("recurrent_state")}
     for kind, layers in plan.layer_kind_map().items():
         lm = layer_modules(rows, layers[0])
         if container not in (None, lm.container):
@@ -153,14 +156,15 @@ def style_plan(plan) -> StylePlan:
         def choice(op, kind=kind):
             return int(st.choices.get(f"{kind}.{op}", 2))
 
-        kp = KindPlan(str(kind), [int(i) for i in layers], [])
+        kp = KindPlan(str(kind), [int(i) for i in layers], [], recurrent=recurrent.get(kind))
         kv_heads = int(plan.model.get("kv_heads") or 0)
         if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0:
             if tp % kv_heads:
                 raise NotCovered(f"{kind}: heads split at tp={tp} over {kv_heads} KV heads")
             kp.kv_replicas = tp // kv_heads
             kp.heads = int(plan.model.get("heads") or 0)
-        branches = ["attention"] + (["mlp"] if "ffn1" in lm.ops else []) \
+        branches = (["attention"] if "qkv" in lm.ops else []) \
+            + (["mlp"] if "ffn1" in lm.ops else []) \
             + (["shared_experts"] if "shared_ffn1" in lm.ops else []) \
             + (["router", "experts"] if "expert_ffn1" in lm.ops else [])
         for branch in branches:
@@ -461,6 +465,9 @@ def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
     (``HeadParallelAttention``); q/k norms over the whole projection (OLMoE) see this rank's
     heads (``FullWidthNormParallel``: one ``[tokens, 1]`` all-reduce each)."""
     prep = next((e for e in kp.entries if e.suffix == attn), None)
+    if kp.recurrent is not None:
+        _recurrent_heads_split(kp, lm, attn, prep)
+        return
     if prep is not None and prep.style.startswith("CoreRowsAttention("):
         if any(r.get("parts") for _, _, r in lm.params_of("qkv")):
             prep.style = prep.style[:-1] + ", heads_split=True)"
@@ -494,3 +501,24 @@ def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
     for mod in full_width_qk_norms(lm, attn):
         kp.entries.append(Entry(mod, "FullWidthNormParallel()",
                                 "norm over all heads: all_reduce of the sum of squares"))
+
+
+def _recurrent_heads_split(kp: KindPlan, lm: LayerModules, attn: str, prep) -> None:
+    """A heads split of a recurrent core: a Mamba-2 mixer's conv (cut per ``x | B | C``
+    part, widths from its params row), per-head vectors and gated norm placed by heads
+    (``Mamba2HeadsParallel``; merged with the input move of a ``PrepareHiddenStates``)."""
+    if kp.recurrent != "mamba2":
+        raise NotCovered(f"{kp.kind}: a heads split of a {kp.recurrent} core")
+    conv = [r for m, n, r in lm.params_of("attn_core") if n == "weight" and r.get("parts")]
+    if len(conv) != 1:
+        raise NotCovered(f"{kp.kind}: a Mamba-2 core without one packed conv weight")
+    parts = tuple(int(w) for w in conv[0]["parts"])
+    note = "attn_core heads: conv per x|B|C part, A_log / D / dt_bias / gated norm by heads"
+    if prep is None:
+        kp.entries.append(Entry(attn, f"Mamba2HeadsParallel(conv_parts={parts!r})", note))
+    elif prep.style.startswith("PrepareHiddenStates("):
+        prep.style = f"Mamba2HeadsParallel(conv_parts={parts!r}, " + \
+            prep.style[len("PrepareHiddenStates("):]
+        prep.comment += "; " + note
+    else:
+        raise NotCovered(f"{kp.kind}: a Mamba-2 heads split with {prep.style.split('(')[0]}")

@@ -29,6 +29,12 @@ FFN_TYPES = ("mlp", "moe", "dense", "sparse", "ffn")  # Nemotron-H lists its FFN
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
+def layer_index(path: str) -> int | None:
+    """The decoder-layer index of module ``path`` itself (``model.layers.3``), else None."""
+    m = re.search(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)$", path)
+    return int(m.group(1)) if m else None
+
+
 def stateful_layers(model) -> dict[int, str]:
     """Decoder-layer index -> the class (or config layer type) of its recurrent part."""
     from torch import nn

@@ -122,6 +122,11 @@ def _packed_parts(graph: Graph, kind: LayerKind | None, op: str, width: int,
         if core is None:
             return []
         a = core.attrs
+        if a.get("recurrent") == "mamba2":  # in_proj: z | x | B | C | dt
+            hp = int(a.get("heads", 0)) * int(a.get("v_head_dim", 0))
+            gn = int(a.get("kv_heads", 0)) * int(a.get("head_dim", 0))
+            parts = [hp, hp, gn, gn, int(a.get("heads", 0))]
+            return parts if sum(parts) == width and all(parts) else []
         q = int(a.get("heads", 0)) * int(a.get("head_dim", 0))
         kv = int(a.get("kv_heads", 0))
         parts = [q, kv * int(a.get("head_dim", 0)), kv * int(a.get("v_head_dim", a.get("head_dim", 0)))]

@@ -26,6 +26,7 @@ from shardc.runtime.gathered_experts import GatheredExperts
 from shardc.runtime.generate import fast_generate
 from shardc.runtime.head_slices import HeadSlices
 from shardc.runtime.kv_cache import KVCache
+from shardc.runtime.mamba2_local import Mamba2HeadsParallel
 from shardc.runtime.pipeline import keep_stage, pipeline
 from shardc.runtime.router import RouterParallel
 from shardc.runtime.styles import (
@@ -50,7 +51,8 @@ PIPELINE_SOURCES = ("pipeline.py",)  # inlined too when the plan has pipeline st
 
 __all__ = ["BatchSplitAttention", "ColwiseParallel", "CoreRowsAttention",
            "ExpertParallel", "FastModel", "FullWidthNormParallel", "GatheredExperts",
-           "GroupedKVAttention", "HeadParallelAttention", "HeadSlices", "KVCache", "PIPELINE_SOURCES",
+           "GroupedKVAttention", "HeadParallelAttention", "HeadSlices", "KVCache",
+           "Mamba2HeadsParallel", "PIPELINE_SOURCES",
            "PrepareHiddenStates", "PrepareModuleInput", "Replicate",
            "ReplicateParallel", "RouterParallel", "RowwiseParallel", "SOURCES", "Shard",
            "WeightColwiseParallel", "WeightRowwiseParallel", "apply_plan", "bench_main",

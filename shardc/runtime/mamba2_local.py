@@ -26,9 +26,46 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardc.runtime.kv_cache import KVCache
 from shardc.runtime.local_ops import Group, held_rows, linear, local_tensor, norm_of, repair
+from shardc.runtime.styles import PrepareHiddenStates, interleave
+
+
+class Mamba2HeadsParallel(PrepareHiddenStates):
+    """A heads split of a Mamba-2 mixer (``attn_core heads``): its conv weight and bias are
+    cut per packed part (``conv_parts``: the widths of ``x | B | C``, each cut tp ways, a
+    rank's slices side by side), ``A_log`` / ``D`` / ``dt_bias`` and the gated norm's
+    weight by heads (``Shard(0)``: tp | groups keeps each norm group on one rank). Its
+    ``in_proj`` / ``out_proj`` take their own styles (the walk's qkv / out_proj). Given
+    layouts, it also moves its input as :class:`PrepareHiddenStates` (one style per
+    module). The fast runtime (:class:`Mamba2Mixer`) runs the placed shards."""
+
+    def __init__(self, *, conv_parts, input_layouts=None, desired_input_layouts=None):
+        super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts)
+        self.conv_parts = tuple(int(w) for w in conv_parts)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.src is not None:
+            super()._apply(module, device_mesh)
+        n = device_mesh.size()
+        if int(module.n_groups) % n or int(module.num_heads) % n:
+            raise ValueError(f"{module.num_heads} Mamba-2 heads in {module.n_groups} groups "
+                             f"do not split over tp={n}")
+        owners = [(module.conv1d, name, self.conv_parts) for name in ("weight", "bias")]
+        owners += [(module, name, ()) for name in ("A_log", "D", "dt_bias")]
+        owners.append((module.norm, "weight", ()))
+        for owner, name, parts in owners:
+            param = getattr(owner, name, None)
+            if param is None:
+                continue
+            full = interleave(param.detach(), 0, parts, n) if parts else param.detach()
+            dt = distribute_tensor(full, device_mesh, [Shard(0)],
+                                   src_data_rank=getattr(self, "src_data_rank", 0))
+            owner.register_parameter(name, nn.Parameter(dt, requires_grad=False))
+        return module
 
 
 def is_hybrid_block(layer) -> bool:
