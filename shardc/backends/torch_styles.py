@@ -158,7 +158,8 @@ def style_plan(plan) -> StylePlan:
 
         kp = KindPlan(str(kind), [int(i) for i in layers], [], recurrent=recurrent.get(kind))
         kv_heads = int(plan.model.get("kv_heads") or 0)
-        if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0:
+        if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0 \
+                and kp.recurrent is None:  # a recurrent core splits its own heads
             if tp % kv_heads:
                 raise NotCovered(f"{kind}: heads split at tp={tp} over {kv_heads} KV heads")
             kp.kv_replicas = tp // kv_heads

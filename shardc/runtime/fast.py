@@ -16,7 +16,11 @@ latent; per head after a ``row`` qkv or a ``col`` one before a batch split,
 GPT-OSS (attention sinks: a learned logit per head joining each softmax, the rank's heads'
 under a heads split; q/k/v and o_proj biases; its rotary module's ``d / 2``-frequency YaRN
 tables; a biased router, top-k then softmax; experts ``[E, h, 2f]`` with gate / up
-alternating, per-expert biases and their own clamped activation).
+alternating, per-expert biases and their own clamped activation), Nemotron-H's hybrid blocks
+(Mamba-2 mixers -- the chunked SSD scan, a conv + SSM state per row beside the KV cache --,
+attention without rotary embeddings, ungated relu2 MLPs: :mod:`shardc.runtime.mamba2_local`).
+Other linear-attention / state-space layers (Jamba's Mamba-1, Qwen3-Next's Gated DeltaNet) are
+not run (the backend gate refuses them by class).
 Sequence parallelism: the residual ``S(0)`` holds this tp rank's rows.
 
 What runs is the plan's walk, as data (``walks``, written into ``parallelize.py`` from the

@@ -65,7 +65,35 @@ class Mamba2HeadsParallel(PrepareHiddenStates):
             dt = distribute_tensor(full, device_mesh, [Shard(0)],
                                    src_data_rank=getattr(self, "src_data_rank", 0))
             owner.register_parameter(name, nn.Parameter(dt, requires_grad=False))
+        for name in ("num_heads", "n_groups", "intermediate_size", "conv_dim"):
+            setattr(module, name, int(getattr(module, name)) // n)  # its own forward's views
+        module.heads_split = n  # the fast runtime reads the whole counts back
+        _local_params_in_forward(module, [(o, name) for o, name, _ in owners])
         return module
+
+
+def _local_params_in_forward(module: nn.Module, owned) -> None:
+    """While ``module``'s own forward runs (the model's forward, ``shardc verify``), the
+    parameters ``owned`` ((owner, name) pairs, DTensor shards) are their local shards: the
+    mixer's conv, scan and norm compute on this rank's heads with plain tensors."""
+    saved: list = []
+
+    def pre(mod, args, kwargs):
+        for owner, name in owned:
+            param = owner._parameters.get(name)
+            if param is not None and hasattr(param, "to_local"):
+                saved.append((owner, name, param))
+                owner._parameters[name] = nn.Parameter(param.to_local(), requires_grad=False)
+        return args, kwargs
+
+    def post(mod, args, kwargs, output):
+        while saved:
+            owner, name, param = saved.pop()
+            owner._parameters[name] = param
+        return output
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
 
 
 def is_hybrid_block(layer) -> bool:
@@ -126,9 +154,10 @@ class Mamba2Mixer:
         if core not in ("heads", "batch", "rep"):
             raise NotImplementedError(f"Mamba-2 core {core}")
         self.walk, self.tp, self.i = walk, tp, i
-        H, G = int(mixer.num_heads), int(mixer.n_groups)
-        self.P, self.N = int(mixer.head_dim), int(mixer.ssm_state_size)
         n = tp.size if core == "heads" else 1
+        placed = int(getattr(mixer, "heads_split", 1))  # counts divided by the style
+        H, G = int(mixer.num_heads) * placed, int(mixer.n_groups) * placed
+        self.P, self.N = int(mixer.head_dim), int(mixer.ssm_state_size)
         if H % n or G % n:
             raise NotImplementedError(f"a heads split at tp {n} of {H} Mamba-2 heads in {G} "
                                       "groups")

@@ -35,7 +35,13 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 class OtherStageLayer(nn.Module):
     """Stands for a decoder layer another pipeline stage runs: no parameters; the hidden
-    states pass through unchanged."""
+    states pass through unchanged. ``block_type`` (Nemotron-H's model loop picks each
+    block's mask by it): the replaced layer's, when it had one."""
+
+    def __init__(self, block_type=None):
+        super().__init__()
+        if isinstance(block_type, str):
+            self.block_type = block_type
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
@@ -90,7 +96,7 @@ def keep_stage(model: nn.Module, layers, first: bool, last: bool,
     keep = set(layers)
     for i in range(len(stack)):
         if i not in keep:
-            stack[i] = OtherStageLayer()
+            stack[i] = OtherStageLayer(getattr(stack[i], "block_type", None))
     hf = takes_inputs_embeds(model)
     if not first:
         _replace(model, embedding, None if hf else PassThrough())
