@@ -149,6 +149,8 @@ def test_compile_plans_a_hybrid_model_with_engine_scripts_and_no_parallelize(tmp
     assert plan["predicted"]["breakdown"]["memory"]["recurrent_state_gb"] > 0
     assert plan["backend"]["runs"] is False
     assert "linear-attention / state-space (recurrent) layers" in plan["backend"]["reason"]
+    assert "(Qwen3NextGatedDeltaNet; of such layers it runs Nemotron-H's Mamba-2 mixers only)" \
+        in plan["backend"]["reason"]
     assert not (out / "parallelize.py").exists()
     assert "linear_attn_moe_block x 36 (layers 0, 1, 2, 4," in (out / "graph.txt").read_text()
     assert "Gated DeltaNet linear attention: a constant state of 548,864 elements per " \
@@ -176,6 +178,27 @@ def test_the_traced_kernels_compute_what_transformers_computes(name):
             assert module.causal_conv1d_fn.__module__ == "shardc.frontends.recurrent_kernels"
             leaves = model(ids, use_cache=False).logits
     torch.testing.assert_close(leaves, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, layer_class", [("qwen3_next_80b_a3b", "Qwen3NextGatedDeltaNet"),
+                                               ("jamba_v0_1", "JambaMambaMixer")])
+def test_the_backend_refuses_recurrent_layers_other_than_nemotron_h_mamba2(name, layer_class):
+    """Gated DeltaNet and Mamba-1 keep the backend gate, naming the layer class; Nemotron-H's
+    Mamba-2 mixers pass it (the fast runtime runs them)."""
+    from family_matrix import tiny_config
+
+    from shardc.backends.support import backend_problem
+    from shardc.frontends.hf_build import build_causal_lm
+
+    def tiny(folder):
+        return build_causal_lm(tiny_config(CONFIGS / folder / "config.json"), device="meta",
+                               dtype=torch.float32)
+
+    problem = backend_problem(tiny(name))
+    assert problem.startswith("it does not run linear-attention / state-space (recurrent) "
+                              f"layers yet ({layer_class};"), problem
+    nemotron = backend_problem(tiny("nemotron_h_8b"))
+    assert nemotron is None or "recurrent" not in nemotron, nemotron
 
 
 def test_a_heads_split_needs_tp_to_divide_the_recurrent_layers_own_heads():
@@ -232,8 +255,10 @@ def test_mamba2_layers_are_kinds_of_their_own_with_the_ssd_scan(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     rows = {k["name"]: k for k in plan["layer_kinds"]}
     assert rows["mamba2_dense_block"]["attention"] == "mamba2"
-    assert plan["backend"]["runs"] is False and "NemotronHMamba2Mixer" in plan["backend"]["reason"]
-    assert not (out / "parallelize.py").exists()
+    # the fast runtime runs its Mamba-2 mixers (tests/test_nemotron_h_runtime.py)
+    assert plan["backend"] == {"runs": True, "reason": None}
+    assert "Mamba2HeadsParallel(" in (out / "parallelize.py").read_text() or \
+        plan["degrees"]["tp"] == 1
     for script in ("launch/vllm_mixed.sh", "launch/sglang_mixed.sh"):
         assert (out / script).is_file()
 

@@ -2,10 +2,11 @@
 chunked SSD scan, the conv + SSM state per row beside the KV cache, left padding kept out
 of it), MLP-only blocks (relu2, no gate) and attention blocks without rotary embeddings.
 
-The tiny model is examples/configs/nemotron_h_8b's tiny variant (``tests/family_matrix``)
-with its Mamba-2 width shrunk further (8 heads of 16 channels in 4 groups, state 16, chunks
-of 4 steps so the 6-step prompt spans two chunks) to stay cheap; random fp32 weights, and
-``A_log`` / ``D`` / ``dt_bias`` drawn (HF initialises them to a pattern). On 2 gloo ranks
+The tiny model (``tests/data/tiny_nemotron_h.py``) is examples/configs/nemotron_h_8b's tiny
+variant (``tests/family_matrix``) with its Mamba-2 width shrunk further (8 heads of 16
+channels in 4 groups, state 16, chunks of 4 steps so the 6-step prompt spans two chunks) to
+stay cheap; random fp32 weights, and ``A_log`` / ``D`` / ``dt_bias`` drawn (HF initialises
+them to a pattern). On 2 gloo ranks
 each case runs its plan's own standalone ``parallelize.py`` and ``generate`` (greedy, left
 padded prompts): the tokens must equal the unsharded HF model's (full recompute per token,
 HF's torch ``torch_forward``) and the last-position logits of the prefill and of one cached
@@ -19,39 +20,6 @@ from pathlib import Path
 import pytest
 
 NEW = 8
-MODEL = '''"""tiny Nemotron-H, Mamba-2 width shrunk (tests/test_nemotron_h_runtime.py)."""
-import sys
-
-sys.path.insert(0, {tests!r})
-import torch  # noqa: E402
-from family_matrix import config_path, tiny_config  # noqa: E402
-
-from shardc.frontends.hf_build import build_causal_lm, token_ids  # noqa: E402
-
-
-def build_model():
-    cfg = tiny_config(config_path("nemotron_h_8b"))
-    cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups = 8, 16, 4
-    cfg.ssm_state_size, cfg.chunk_size = 16, 4
-    torch.manual_seed(0)
-    model = build_causal_lm(cfg, device="cpu", dtype=torch.float32)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("dt_bias", ".D")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=g) * 2)
-    return model.eval()
-
-
-def example_inputs():
-    return token_ids(256)
-
-
-tiny_model = build_model
-tiny_inputs = example_inputs
-'''
 MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row"}
 # name -> (degrees, choices other than Megatron's); None: the plan shardc's search picks
 CASES = {
@@ -59,6 +27,7 @@ CASES = {
     "tp2 megatron (Mamba-2 heads split: in_proj col, out_proj row)": ({"tp": 2}, {}),
     "tp2 sp megatron": ({"tp": 2, "sp": 2}, {}),
     "tp2 in_proj row": ({"tp": 2}, {"qkv": "row", "out_proj": "col"}),
+    "tp2 sp in_proj rep (a slice of the gathered rows)": ({"tp": 2, "sp": 2}, {"qkv": "rep"}),
     "tp2 Mamba-2 batch split": ({"tp": 2}, {"qkv": "rep", "attn_core": "batch",
                                             "out_proj": "col"}),
     "pp2": ({"pp": 2}, {}),
@@ -66,10 +35,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("nemotron_h") / "tiny_nemotron_h.py"
-    path.write_text(MODEL.format(tests=str(Path(__file__).resolve().parent)))
-    return str(path)
+def model_file() -> str:
+    return str(Path(__file__).resolve().parent / "data" / "tiny_nemotron_h.py")
 
 
 def _choices(model_file: str, override: dict) -> dict:

@@ -5,7 +5,7 @@ plan falls back to it).
 Sample: for each family layout (HF Llama with GQA at tp > kv_heads, GPT-2's Conv1D and
 packed q|k|v, GPT-MoE's plain ``[E, in, out]`` experts, Mixtral, DeepSeek-V3's MLA) and
 degrees with and without sequence parallelism and, for the non-HF layouts, with pipeline
-stages, every pair of
+stages, Nemotron-H's Mamba-2 / MLP-only / attention blocks, every pair of
 choices of two ops of one branch (attention: qkv x attn_core x out_proj in pairs; experts:
 expert_ffn1 x expert_ffn2; mlp; router against experts), the other ops Megatron's. Legal or
 not for the cost model, each such plan must be deployable, and runs on the one fast runtime:
@@ -47,12 +47,14 @@ MODELS = {
     "mixtral": str(ROOT / "examples" / "tiny_mixtral.py"),
     "deepseek-v3": str(ROOT / "examples" / "tiny_deepseek_v3.py"),
     "gpt-oss": str(ROOT / "examples" / "configs" / "gpt_oss_20b" / "config.json"),
+    "nemotron-h": str(ROOT / "tests" / "data" / "tiny_nemotron_h.py"),
 }
 SP = {"tp": 2, "dp": 2, "sp": 2}  # experts: dp -> ep
 CASES = [("llama gqa (8 heads / 2 kv)", {"tp": 4}),  # KV heads replicated
          ("llama gqa (8 heads / 2 kv)", SP), ("gpt2", SP), ("gpt2", {"tp": 2, "pp": 2}),
          ("gpt-moe", SP), ("gpt-moe", {"tp": 2, "pp": 2}), ("mixtral", {"tp": 4}),
-         ("mixtral", SP), ("deepseek-v3", {"tp": 4}), ("deepseek-v3", SP)]
+         ("mixtral", SP), ("deepseek-v3", {"tp": 4}), ("deepseek-v3", SP),
+         ("nemotron-h", {"tp": 4}), ("nemotron-h", SP)]  # Mamba-2, MLP-only and attention
 
 
 @lru_cache(maxsize=None)

@@ -521,5 +521,8 @@ def _recurrent_heads_split(kp: KindPlan, lm: LayerModules, attn: str, prep) -> N
         prep.style = f"Mamba2HeadsParallel(conv_parts={parts!r}, " + \
             prep.style[len("PrepareHiddenStates("):]
         prep.comment += "; " + note
+    elif prep.style.startswith("CoreRowsAttention("):  # applied first, by the Mamba-2 style
+        prep.style = f"Mamba2HeadsParallel(conv_parts={parts!r}, rows={prep.style})"
+        prep.comment += "; " + note
     else:
         raise NotCovered(f"{kp.kind}: a Mamba-2 heads split with {prep.style.split('(')[0]}")

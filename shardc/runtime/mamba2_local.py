@@ -40,14 +40,20 @@ class Mamba2HeadsParallel(PrepareHiddenStates):
     rank's slices side by side), ``A_log`` / ``D`` / ``dt_bias`` and the gated norm's
     weight by heads (``Shard(0)``: tp | groups keeps each norm group on one rank). Its
     ``in_proj`` / ``out_proj`` take their own styles (the walk's qkv / out_proj). Given
-    layouts, it also moves its input as :class:`PrepareHiddenStates` (one style per
-    module). The fast runtime (:class:`Mamba2Mixer`) runs the placed shards."""
+    layouts, it also moves its input as :class:`PrepareHiddenStates`; given ``rows`` (a
+    :class:`~shardc.runtime.styles.CoreRowsAttention`: under sequence parallelism a ``rep``
+    in_proj before the heads split) it applies that style first (one style per module).
+    The fast runtime (:class:`Mamba2Mixer`) runs the placed shards."""
 
-    def __init__(self, *, conv_parts, input_layouts=None, desired_input_layouts=None):
+    def __init__(self, *, conv_parts, input_layouts=None, desired_input_layouts=None,
+                 rows=None):
         super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts)
         self.conv_parts = tuple(int(w) for w in conv_parts)
+        self.rows = rows
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.rows is not None:
+            self.rows._apply(module, device_mesh)
         if self.src is not None:
             super()._apply(module, device_mesh)
         n = device_mesh.size()
