@@ -153,3 +153,23 @@ def test_nemotron_h_decode_step_collectives_are_the_cost_models(model_file, name
 
     degrees, override = BYTES_CASES[name]
     decode_collectives_match(name, model_file, degrees, _choices(model_file, override))
+
+
+def test_nemotron_h_moe_blocks_keep_the_backend_gate():
+    """A Nemotron-H model with MoE blocks (block type ``moe``: not run by the fast runtime)
+    is refused by the backend naming the block type, whatever the torch-style path says."""
+    import torch
+    from family_matrix import config_path, tiny_config
+
+    from shardc.backends.support import backend_problem, torch_style_verdict
+    from shardc.frontends.hf_build import build_causal_lm
+
+    cfg = tiny_config(config_path("nemotron_h_8b"))
+    cfg.layers_block_type, cfg.num_hidden_layers = ["linear_attention", "moe"], 2
+    cfg.n_routed_experts, cfg.num_experts_per_tok = 4, 2
+    cfg.moe_intermediate_size = cfg.moe_shared_expert_intermediate_size = 32
+    problem = backend_problem(build_causal_lm(cfg, device="meta", dtype=torch.float32))
+    assert problem == ("it runs Nemotron-H's Mamba-2, attention and MLP blocks only, not its "
+                       "blocks of type (moe)")
+    verdict = {"runs": False, "reason": problem}
+    assert torch_style_verdict(verdict, [], None) is verdict

@@ -131,6 +131,11 @@ def backend_problem(model: nn.Module) -> str | None:
     from shardc.backends.models import adapter_for
     from shardc.frontends.stateful_layers import stateful_layers
 
+    blocks = sorted({str(m.block_type) for _, m in model.named_modules()
+                     if hasattr(m, "mixer") and isinstance(getattr(m, "block_type", None), str)}
+                    - set(HYBRID_BLOCKS))
+    if blocks:
+        return f"{HYBRID_PROBLEM} ({', '.join(blocks)})"
     recurrent = stateful_layers(model)
     runs = _runtime_recurrent_layers(model)
     refused = {i: k for i, k in recurrent.items() if i not in runs}
@@ -151,6 +156,10 @@ def backend_problem(model: nn.Module) -> str | None:
 
 
 RECURRENT_PROBLEM = "it does not run linear-attention / state-space (recurrent) layers yet"
+# Nemotron-H block types (one mixer per block) the fast runtime runs
+HYBRID_BLOCKS = ("linear_attention", "full_attention", "mlp")
+HYBRID_PROBLEM = ("it runs Nemotron-H's Mamba-2, attention and MLP blocks only, not its blocks "
+                  "of type")
 # what the fast runtime's Mamba-2 mixer reads (shardc.runtime.mamba2_local.Mamba2Mixer)
 MAMBA2_MIXER = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "num_heads",
                 "n_groups", "head_dim", "ssm_state_size", "chunk_size", "time_step_limit")
@@ -281,7 +290,7 @@ def torch_style_verdict(verdict: dict, plans, graph) -> dict:
     (:func:`unplaced_by_styles`): the emitted ``parallelize.py`` is then the torch-style one.
     Otherwise ``verdict``, its reason extended with the torch-style path's."""
     if verdict.get("runs", True) or any(p in str(verdict.get("reason"))
-                                        for p in (RECURRENT_PROBLEM,)):
+                                        for p in (RECURRENT_PROBLEM, HYBRID_PROBLEM)):
         return verdict
     from shardc.backends.torch_styles import NotCovered, style_plan
 
