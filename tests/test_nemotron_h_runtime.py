@@ -173,3 +173,32 @@ def test_nemotron_h_moe_blocks_keep_the_backend_gate():
                        "blocks of type (moe)")
     verdict = {"runs": False, "reason": problem}
     assert torch_style_verdict(verdict, [], None) is verdict
+
+
+def test_the_ssm_state_is_held_in_the_dtype_the_cost_model_charges():
+    """bf16 Nemotron-H: the cache's SSM state is in the config's ``mamba_ssm_cache_dtype``
+    (vLLM's rule for Nemotron-H, which the cost model charges this runtime; float32 when it
+    names none); the conv window stays in the model's dtype."""
+    import torch
+
+    from shardc.ir.recurrent import ssm_state_bytes
+    from shardc.runtime.kv_cache import KVCache
+    from shardc.runtime.mamba2_local import Mamba2Mixer
+    from shardc.runtime.local_ops import Group
+
+    model = __import__("importlib").import_module("runpy").run_path(
+        str(Path(__file__).resolve().parent / "data" / "tiny_nemotron_h.py"))["build_model"]()
+    model = model.to(torch.bfloat16)
+    mixer = model.model.layers[0].mixer
+    walk = {"steps": [["qkv", "rep", "R", "R"], ["attn_core", "rep", "R", "R"],
+                      ["out_proj", "rep", "R", "R"]], "end": "R"}
+    for named, want in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        mixer.config.mamba_ssm_cache_dtype = named
+        cache = KVCache(2, 8, "cpu", torch.bfloat16)
+        Mamba2Mixer(mixer, walk, Group(), 0).alloc(cache, 2)
+        st = cache.states[0]
+        assert st.ssm.dtype == want and st.conv.dtype == torch.bfloat16
+        assert tuple(st.ssm.shape) == (2, 8, 16, 16) and tuple(st.conv.shape) == (2, 128 + 2 * 64, 3)
+        charged = ssm_state_bytes("dtensor", {"model_type": "nemotron_h",
+                                              "mamba_ssm_cache_dtype": named}, 2.0)
+        assert st.ssm.element_size() == charged

@@ -13,7 +13,8 @@ plan's context, holding only what this rank attends over:
 * a sliding-window layer: ``min(context, window)`` slots used as a ring;
 * a Mamba-2 layer (:mod:`shardc.runtime.mamba2_local`): no slots, a constant state per row
   (:class:`RecurrentState`: the conv window ``[rows, conv channels, kernel - 1]`` and the SSM
-  state ``[rows, heads, head_dim, state]`` of this rank's heads), zeroed by :meth:`KVCache.reset`.
+  state ``[rows, heads, head_dim, state]`` of this rank's heads, in the dtype the cost model
+  charges: :func:`shardc.runtime.mamba2_local.ssm_state_dtype`), zeroed by :meth:`KVCache.reset`.
 
 Time is counted in *steps*: the prompt (left padded to one length ``P``) fills steps
 ``0 .. P-1`` and decode step ``t`` writes step ``t`` of every row. Row ``b``'s first real
@@ -74,9 +75,9 @@ class LayerCache:
 class RecurrentState:
     """One recurrent layer's per-row state (no sequence length): ``conv [rows, channels,
     kernel - 1]`` (the last inputs of the causal convolution) and ``ssm [rows, heads,
-    head_dim, state]``, held in the model's dtype (as the cost model counts it:
-:mod:`shardc.ir.recurrent`; the scan computes in fp32); ``rows`` (which of
-    the cache's rows it holds)."""
+    head_dim, state]`` (the conv window in the model's dtype, the SSM state in the one the
+    cost model charges: :mod:`shardc.ir.recurrent`; the scan computes in fp32); ``rows``
+    (which of the cache's rows it holds)."""
 
     def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, rows: slice = slice(None)):
         self.conv, self.ssm, self.rows = conv, ssm, rows
@@ -124,12 +125,14 @@ class KVCache:
         return self.layers[layer]
 
     def add_state(self, layer: int, rows: slice, channels: int, kernel: int, heads: int,
-                  head_dim: int, state: int) -> RecurrentState:
+                  head_dim: int, state: int, ssm_dtype=None) -> RecurrentState:
         """Preallocate a recurrent layer's state for ``rows``: a conv window of ``channels``
-        x ``kernel - 1`` and an SSM state of ``heads`` x ``head_dim`` x ``state`` per row."""
+        x ``kernel - 1`` (the model's dtype) and an SSM state of ``heads`` x ``head_dim`` x
+        ``state`` per row (``ssm_dtype``, default the model's)."""
         n = len(range(self.rows)[rows])
         conv = torch.zeros(n, channels, kernel - 1, device=self.device, dtype=self.dtype)
-        ssm = torch.zeros(n, heads, head_dim, state, device=self.device, dtype=self.dtype)
+        ssm = torch.zeros(n, heads, head_dim, state, device=self.device,
+                          dtype=ssm_dtype or self.dtype)
         self.states[layer] = RecurrentState(conv, ssm, rows)
         return self.states[layer]
 

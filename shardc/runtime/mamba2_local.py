@@ -144,6 +144,21 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return y.reshape(r, c * chunk, h, p)[:, :s], state
 
 
+# SSM-state dtypes by name (a config's ``mamba_ssm_cache_dtype``)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def ssm_state_dtype(config) -> torch.dtype | None:
+    """The dtype the SSM state is held in (None: the model's): vLLM's rule, which the cost
+    model charges for this runtime (``shardc.ir.recurrent.SSM_STATE_DTYPE["dtensor"]``) --
+    Nemotron-H: the config's ``mamba_ssm_cache_dtype``, float32 when it names none."""
+    if str(getattr(config, "model_type", "")) != "nemotron_h":
+        return None
+    named = str(getattr(config, "mamba_ssm_cache_dtype", "") or "").lower()
+    return _DTYPES.get(named, torch.float32)
+
+
 def _real(cache: KVCache, rows: slice, steps: torch.Tensor) -> torch.Tensor:
     """``[rows, seq, 1]`` 1 at the rows' real steps, 0 in their left padding."""
     start = cache.start[rows]
@@ -179,6 +194,7 @@ class Mamba2Mixer:
         self.dt_bias = local_tensor(mixer.dt_bias)
         self.dt_limit = tuple(float(t) for t in mixer.time_step_limit)
         self.chunk = int(mixer.chunk_size)
+        self.ssm_dtype = ssm_state_dtype(getattr(mixer, "config", None))
         self.norm_w = local_tensor(mixer.norm.weight)
         self.norm_eps = float(mixer.norm.variance_epsilon)
         self.group = int(mixer.norm.group_size)
@@ -190,7 +206,7 @@ class Mamba2Mixer:
 
     def alloc(self, cache: KVCache, rows: int) -> None:
         cache.add_state(self.i, held_rows(rows, self.core_need, self.tp), self.conv_w.shape[0],
-                        self.kernel, self.h, self.P, self.N)
+                        self.kernel, self.h, self.P, self.N, self.ssm_dtype)
 
     def _conv(self, xbc: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of ``xbc [rows, seq, channels]`` after the cached
