@@ -179,15 +179,17 @@ def test_the_ssm_state_is_held_in_the_dtype_the_cost_model_charges():
     """bf16 Nemotron-H: the cache's SSM state is in the config's ``mamba_ssm_cache_dtype``
     (vLLM's rule for Nemotron-H, which the cost model charges this runtime; float32 when it
     names none); the conv window stays in the model's dtype."""
+    import runpy
+
     import torch
 
     from shardc.ir.recurrent import ssm_state_bytes
     from shardc.runtime.kv_cache import KVCache
-    from shardc.runtime.mamba2_local import Mamba2Mixer
     from shardc.runtime.local_ops import Group
+    from shardc.runtime.mamba2_local import Mamba2Mixer
 
-    model = __import__("importlib").import_module("runpy").run_path(
-        str(Path(__file__).resolve().parent / "data" / "tiny_nemotron_h.py"))["build_model"]()
+    model = runpy.run_path(str(Path(__file__).resolve().parent / "data" /
+                               "tiny_nemotron_h.py"))["build_model"]()
     model = model.to(torch.bfloat16)
     mixer = model.model.layers[0].mixer
     walk = {"steps": [["qkv", "rep", "R", "R"], ["attn_core", "rep", "R", "R"],
