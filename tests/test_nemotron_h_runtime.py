@@ -204,3 +204,17 @@ def test_the_ssm_state_is_held_in_the_dtype_the_cost_model_charges():
         charged = ssm_state_bytes("dtensor", {"model_type": "nemotron_h",
                                               "mamba_ssm_cache_dtype": named}, 2.0)
         assert st.ssm.element_size() == charged
+
+
+def test_the_mamba2_heads_split_places_its_own_per_head_vectors(model_file):
+    """tp=2 Megatron: in_proj cut per z|x|B|C|dt part, the mixer's conv / per-head vectors /
+    gated norm by Mamba2HeadsParallel alone (no second per-head slicing on the module)."""
+    from test_fast_runtime import plan_payload
+
+    code = plan_payload(model_file, {"tp": 2}, _choices(model_file, {}))["code"]
+    entries = [line.strip() for line in code.splitlines() if line.strip().startswith("'mixer")
+               and "Parallel(" in line and "in_proj" in line or "'mixer': " in line]
+    assert "'mixer.in_proj': WeightColwiseParallel(out_dim=0, parts=(128, 128, 64, 64, 8))," \
+        in [e.split("  #")[0] for e in entries], entries
+    assert "'mixer': Mamba2HeadsParallel(conv_parts=(128, 64, 64))," in \
+        [e.split("  #")[0] for e in entries], entries

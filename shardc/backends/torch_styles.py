@@ -389,7 +389,7 @@ def _branch_entries(kp: KindPlan, branch: str, w, lm: LayerModules, res) -> None
                                            f"{kp.kv_replicas}" if mod in kv_mods else "")))
             if qkv.after == "S(1)":
                 _heads_split(kp, lm, attn)
-        if core.choice.name == "heads":
+        if core.choice.name == "heads" and kp.recurrent is None:  # (Mamba-2: its own style)
             _head_vectors(kp, lm, attn)
         code = _style("out_proj", out, core.produced)
         for mod in lm.ops.get("out_proj", []) if code else []:
