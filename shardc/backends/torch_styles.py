@@ -156,7 +156,8 @@ def style_plan(plan) -> StylePlan:
         def choice(op, kind=kind):
             return int(st.choices.get(f"{kind}.{op}", 2))
 
-        kp = KindPlan(str(kind), [int(i) for i in layers], [], recurrent=recurrent.get(kind))
+        kp = KindPlan(str(kind), [int(i) for i in layers], [],
+                      recurrent=recurrent.get(kind) or _mamba2_core(lm))
         kv_heads = int(plan.model.get("kv_heads") or 0)
         if tp > 1 and kv_heads and tp > kv_heads and choice("attn_core") == 0 \
                 and kp.recurrent is None:  # a recurrent core splits its own heads
@@ -502,6 +503,16 @@ def _heads_split(kp: KindPlan, lm: LayerModules, attn: str) -> None:
     for mod in full_width_qk_norms(lm, attn):
         kp.entries.append(Entry(mod, "FullWidthNormParallel()",
                                 "norm over all heads: all_reduce of the sum of squares"))
+
+
+def _mamba2_core(lm: LayerModules) -> str | None:
+    """``"mamba2"`` when the layer's ``attn_core`` params rows are a Mamba-2 mixer's (its
+    ``A_log`` and a conv weight packing ``x | B | C``): a plan whose ``layer_kinds`` rows
+    do not name the variant (``shardc verify``'s scaled plan)."""
+    names = {n for _, n, _ in lm.params_of("attn_core")}
+    conv = [r for _, n, r in lm.params_of("attn_core")
+            if n == "weight" and len(r.get("parts") or ()) == 3 and len(r["shape"]) == 3]
+    return "mamba2" if {"A_log", "dt_bias", "D"} <= names and conv else None
 
 
 def _recurrent_heads_split(kp: KindPlan, lm: LayerModules, attn: str, prep) -> None:
