@@ -90,19 +90,19 @@ NOTES = {
 TORCH_STYLE_ONLY_BATCH = {"qkv": "rep", "attn_core": "batch", "out_proj": "col"}
 
 
-def _cut_config(name: str, folder: Path) -> Path:
-    """The family's config.json with its first 4 decoder layers (full width)."""
+def _cut_config(name: str, folder: Path, layers: int = 4) -> Path:
+    """The family's config.json with its first ``layers`` decoder layers (full width)."""
     data = {k: v for k, v in json.loads(config_path(name).read_text()).items()
             if k != "auto_map"}
     cfg = data.get("text_config", data)
     for key in ("num_hidden_layers", "n_layer", "n_layers"):
         if key in cfg:
-            cfg[key] = min(int(cfg[key]), 4)
+            cfg[key] = min(int(cfg[key]), layers)
     if "layer_types" in cfg:
-        cfg["layer_types"] = cfg["layer_types"][:4]
+        cfg["layer_types"] = cfg["layer_types"][:layers]
     if "hybrid_override_pattern" in cfg:  # Nemotron-H: one character per layer
-        cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:4]
-    out = folder / name / "config.json"
+        cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:layers]
+    out = folder / name / (f"config_{layers}.json" if layers != 4 else "config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data))
     return out
@@ -182,6 +182,27 @@ def _cases(name: str, model_file: Path, folder: Path, problem: str | None) -> li
     return out
 
 
+def _plan_of_tiny_layers(name: str, plan, folder: Path):
+    """``plan``, or, when the tiny variant keeps original layers past the 4 the table plans
+    (Nemotron-H's keeps layers 0-7 to hold an attention layer), the same compile of the
+    config cut to those layers: ``shardc verify`` needs a plan of every layer it runs."""
+    from family_matrix import tiny_config
+
+    import shardc
+    from shardc.frontends import load_graph
+    from shardc.ir.strategy import Workload
+
+    cfg = tiny_config(config_path(name))
+    source = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg,
+                     "shardc_source_layers", None) or []
+    if not source or max(source) < 4:
+        return plan
+    graph = load_graph(_cut_config(name, folder, max(source) + 1))
+    context = min(4096, int(graph.config.get("max_position_embeddings") or 4096))
+    return shardc.compile(graph, mesh="8x1", search="megatron", budget=1,
+                          workload=Workload(context=context))
+
+
 def _verified(name: str, plan, folder: Path) -> str:
     if importlib.util.find_spec("shardc.frontends.tiny_config") is None:
         return "pending (`shardc verify` of a config.json needs the tiny_config merge)"
@@ -189,6 +210,7 @@ def _verified(name: str, plan, folder: Path) -> str:
         return "n/a"
     from shardc.cli import main
 
+    plan = _plan_of_tiny_layers(name, plan, folder)
     path = folder / f"plan_{name}.json"
     plan.save(path)
     rc = main(["verify", str(config_path(name)), "--plan", str(path), "--world", "2"])
