@@ -135,3 +135,17 @@ def test_pipelined_decode_step_sends_the_cost_models_bytes():
         got.remove(p2p)
         assert rows.get(end), end
         assert_records_match(got, rows["layer"] + rows[end], f"rank {rank}")
+
+
+def test_a_row_qkv_into_replicated_kv_heads_is_charged_the_repeated_reduce_scatter():
+    """GQA with tp > KV heads (8 query / 2 KV heads at tp 4) after a row qkv: each KV head is
+    repeated over its 2 ranks before the reduce-scatter into the heads split, so that
+    collective moves qkv's output grown by the repeat ((8 + 2 x 2 x 2) / (8 + 2 x 2) heads of
+    width: 8192 bytes on this model, not 6144) -- charged as run."""
+    from pathlib import Path
+
+    gqa = str(Path(__file__).parent / "data" / "tiny_gqa_for_every_plan.py")
+    choices = {"embedding": "vocab", "dense_block.qkv": "row", "dense_block.attn_core": "heads",
+               "dense_block.out_proj": "row", "dense_block.ffn1": "col",
+               "dense_block.ffn2": "row", "lm_head": "col"}
+    decode_collectives_match("gqa tp4 row qkv", gqa, {"tp": 4}, choices)

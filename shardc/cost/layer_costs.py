@@ -32,9 +32,10 @@ from shardc.cost.topology import CommGroup
 from shardc.ir.contract import (
     MODE_EXPONENTS,
     SHARD_BOTH,
+    SHARD_IN,
     SHARD_OUT,
     TOKEN_SPLIT,
-    kv_head_replicas,
+    repeated_kv_growth,
 )
 from shardc.ir.contract import REPLICATED as REPLICATED_MODE
 from shardc.ir.graph import FusedOp
@@ -307,30 +308,30 @@ def inner_all_reduce(fop: FusedOp, mode: np.ndarray, b: Batch) -> tuple[np.ndarr
 
 
 def replicated_kv_divisor(ops: list[FusedOp], modes: np.ndarray, tp: np.ndarray
-                          ) -> np.ndarray | None:
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """GQA with tp > kv_heads (:func:`shardc.ir.contract.kv_head_replicas`): under a heads
-    split fed by a column-split qkv each rank holds its 1/tp of the query heads and one whole
-    KV head (each KV head repeated tp / kv_heads times before the split, as vLLM places it),
-    so qkv's weights, FLOPs and output -- the attention core's input -- divide by
-    ``tp / (1 + kv_share x (replicas - 1))``, ``kv_share`` = the K/V fraction of qkv's output
-    features. Returns that divisor [B] where it applies and ``tp`` elsewhere, or None when no
-    strategy of the batch replicates KV heads. ``modes`` [B, m]: the attention branch's."""
+    split each rank holds its 1/tp of the query heads and one whole KV head (each KV head
+    repeated tp / kv_heads times before the split, as vLLM places it), so the attention
+    core's input per rank is qkv's output grown by ``grow = 1 + kv_share x (replicas - 1)``
+    (``kv_share`` = the K/V fraction of qkv's output features) over tp. Fed by a
+    column-split qkv, qkv's own weights, FLOPs and output divide by ``tp / grow`` too; fed by
+    a row-split one, its partial sums are repeated before the reduce-scatter into the heads
+    split, so that collective moves ``grow`` x qkv's output. Returns ([B] the divisor of a
+    column qkv: ``tp / grow`` on its rows, ``tp`` elsewhere; [B] the core input's divisor
+    under either; [B] the repair's growth, 1 elsewhere), or None when no strategy of the
+    batch replicates KV heads. ``modes`` [B, m]: the attention branch's."""
     names = [o.name for o in ops]
     if "qkv" not in names or "attn_core" not in names:
         return None
     qkv, core = ops[names.index("qkv")], ops[names.index("attn_core")]
-    a = core.attrs
-    heads = int(a.get("heads", 1) or 1)
-    kv = int(a.get("kv_heads", heads) or heads)
-    if kv >= heads or not a.get("kv_cache_split_by_heads", True) or is_recurrent(a):
+    grow = repeated_kv_growth(core.attrs, qkv.out_features, tp)
+    split = (grow > 1) & (modes[:, names.index("attn_core")] == SHARD_BOTH)
+    col = split & (modes[:, names.index("qkv")] == SHARD_OUT)
+    row = split & (modes[:, names.index("qkv")] == SHARD_IN)
+    if not (col | row).any():
         return None
-    rep = kv_head_replicas(tp, kv).astype(np.float64)
-    rows = (rep > 1) & (modes[:, names.index("qkv")] == SHARD_OUT) \
-        & (modes[:, names.index("attn_core")] == SHARD_BOTH)
-    if not rows.any():
-        return None
-    share = min(2.0 * kv * int(a.get("head_dim", 0)) / max(int(qkv.out_features or 1), 1), 1.0)
-    return np.where(rows, tp / (1.0 + share * (rep - 1.0)), tp)
+    return (np.where(col, tp / grow, tp), np.where(col | row, tp / grow, tp),
+            np.where(row, grow, 1.0))
 
 
 QK_NORM_SUM_BYTES = 4.0  # a norm's sum of squares is all-reduced in fp32 (FullWidthNormParallel)
@@ -365,18 +366,19 @@ def _pick_collective(kind: np.ndarray, S, group: CommGroup, hw, b: Batch | None 
     return t
 
 
-def _tp_repairs(codes: np.ndarray, tokens, widths: list, b: Batch, start: int,
+def _tp_repairs(codes: np.ndarray, tokens, widths, b: Batch, start: int,
                 end: bool) -> np.ndarray:
     """[B, m + 1] seconds of the tp collectives ``codes`` [B, m + 1] before each op (column
-    j: on ``tokens x widths[j]`` activations) and at the end, columns ``start`` .. m - 1
-    (and m where ``end``) priced by :func:`_pick_collective` in one call, 0 elsewhere."""
+    j: on ``tokens x widths[j]`` activations; ``widths`` [m + 1] or per strategy [B, m + 1])
+    and at the end, columns ``start`` .. m - 1 (and m where ``end``) priced by
+    :func:`_pick_collective` in one call, 0 elsewhere."""
     B, n = codes.shape
     cols = np.arange(start, n if end else n - 1)
     out = np.zeros((B, n))
     if not len(cols) or not B:
         return out
-    S = np.asarray(tokens, dtype=np.float64)[:, None] * np.asarray(widths, dtype=np.float64)[
-        None, cols] * b.act_bytes
+    S = np.asarray(tokens, dtype=np.float64)[:, None] * np.broadcast_to(
+        np.asarray(widths, dtype=np.float64), (B, n))[:, cols] * b.act_bytes
     g = b.groups["tp"]
     rep = CommGroup(*(np.repeat(np.broadcast_to(x, (B,)), len(cols))
                       for x in (g.size, g.per_node, g.nodes)))
@@ -400,21 +402,26 @@ def branch_cost(branch: str, ops: list[FusedOp], table: BranchTable, combo: np.n
     width = in_width
     coll_codes = table.collectives[combo, res]  # [B, m + 1]
     modes = table.modes[combo, res]  # [B, m]
-    kv_div = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
+    kv_rep = replicated_kv_divisor(ops, modes, tp) if branch == "attention" else None
     hw = b.hw
     compute = np.zeros(B)  # the ops' own time, for the overlap with the collectives
     widths = [in_width] + [op_out_width(f) for f in ops]  # the activation before op j
+    if kv_rep is not None:  # a row qkv's partial sums, KV heads repeated, reduce-scattered
+        widths = np.tile(np.asarray(widths, dtype=np.float64), (B, 1))
+        core = [f.name for f in ops].index("attn_core")
+        widths[:, core] *= kv_rep[2]
     # the tp repairs before each op (and at the end), priced in one pass (detail: one by one)
     repairs = None if b.detail else _tp_repairs(coll_codes, tokens, widths, b,
                                                  1 if experts else 0, not experts)
     for j, fop in enumerate(ops):
-        S = tokens * width * b.act_bytes
+        S = tokens * (widths[:, j] if kv_rep is not None else width) * b.act_bytes
         # the experts' first repair is priced with the dispatch (moe_dispatch)
         c_s = (np.zeros(B) if experts and j == 0 else repairs[:, j] if repairs is not None
                else _pick_collective(coll_codes[:, j], S, b.groups["tp"], hw, b, fop.name))
         mode = modes[:, j]
         div = np.where(MODE_EXPONENTS[mode] > 0, tp[:, None], 1).astype(np.float64)
-        if kv_div is not None and fop.name in ("qkv", "attn_core"):  # replicated KV heads
+        if kv_rep is not None and fop.name in ("qkv", "attn_core"):  # replicated KV heads
+            kv_div = kv_rep[0] if fop.name == "qkv" else kv_rep[1]
             for c in ([1, 2, 4] if fop.name == "qkv" else [3]):  # flops, weight, out / input
                 div[:, c] = np.where(div[:, c] > 1, kv_div, div[:, c])
         if fop.name == "attn_core" and is_recurrent(fop.attrs):

@@ -116,6 +116,20 @@ def kv_head_replicas(tp, kv_heads: int):
     return np.maximum(np.asarray(tp) // max(int(kv_heads), 1), 1)
 
 
+def repeated_kv_growth(core_attrs: dict, qkv_out_features: int, tp):
+    """qkv's output grown by repeating each KV head over its :func:`kv_head_replicas` ranks
+    (scalar or array ``tp``): ``1 + kv_share x (replicas - 1)``, ``kv_share`` = the K/V
+    fraction of qkv's output features; 1 where no KV head is replicated (tp divides the KV
+    heads, no GQA, an MLA latent or a recurrent core)."""
+    a = core_attrs or {}
+    heads = int(a.get("heads", 1) or 1)
+    kv = int(a.get("kv_heads", heads) or heads)
+    if kv >= heads or not a.get("kv_cache_split_by_heads", True) or a.get("recurrent"):
+        return np.ones_like(np.asarray(tp, dtype=np.float64))
+    share = min(2.0 * kv * int(a.get("head_dim", 0)) / max(int(qkv_out_features or 1), 1), 1.0)
+    return 1.0 + share * (kv_head_replicas(tp, kv).astype(np.float64) - 1.0)
+
+
 def legal(choice: OpChoice, tp: int, in_features: int, out_features: int, heads: int,
           kv_heads: int, replicate_kv_heads: bool = True) -> bool:
     """Whether ``choice`` is legal at tensor-parallel degree ``tp`` for an op of these

@@ -36,6 +36,7 @@ from shardc.ir.contract import (
     BRANCHES,
     GLOBAL_OPS,
     dtensor_spelling,
+    repeated_kv_growth,
     walk,
 )
 from shardc.ir.graph import FusedOp, Graph, LayerKind
@@ -103,7 +104,14 @@ def _branches_of(kind: LayerKind | None, graph: Graph, strategy: Strategy, resid
         if any(f is None for f in fops):
             continue
         choices = [int(strategy.choices.get(f"{kind.name}.{o}", 2)) for o in ops]
-        out.append(_BranchPlan(bname, fops, choices, residual, residual, hidden))
+        bp = _BranchPlan(bname, fops, choices, residual, residual, hidden)
+        if bname == "attention" and bp.produced.get("qkv") == "P" and \
+                bp.produced.get("attn_core") == "S(1)":
+            # a row qkv's partial sums are repeated per KV head before the reduce-scatter
+            # into the heads split when tp > kv_heads (as the cost model charges)
+            bp.width_before["attn_core"] *= float(repeated_kv_growth(
+                kind.op("attn_core").attrs, kind.op("qkv").out_features, strategy.degrees.tp))
+        out.append(bp)
     return out
 
 
