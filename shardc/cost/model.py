@@ -131,9 +131,7 @@ class CostModel:
         self.weight_bytes = float(weight_bytes or format_bytes(workload.weights, dtype))
         self.kv_bytes = float(kv_bytes or format_bytes(workload.kv_cache, dtype))
         self.act_bytes = float(act_bytes or dtype)
-        # the recurrent (SSM) state of a linear-attention / Mamba layer, per element: as
-        # ``engine`` holds it (shardc.ir.recurrent)
-        self.ssm_bytes = ssm_state_bytes(engine, cfg, self.act_bytes)
+        self.ssm_bytes = ssm_state_bytes(engine, cfg, self.act_bytes)  # as engine holds it
         self.fp8_gemm = workload.weights == "fp8" if fp8_gemm is None else bool(fp8_gemm)
         self.fp8_dispatch = self.fp8_gemm if fp8_dispatch is None else bool(fp8_dispatch)
         if moe_layouts not in LAYOUT_RULES:
