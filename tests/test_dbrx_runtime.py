@@ -165,18 +165,9 @@ def model_file(tmp_path_factory) -> str:
 
 
 def _choices(model_file: str, override: dict) -> dict:
-    from test_fast_runtime_moe import MEGATRON
+    from test_fast_runtime_moe import megatron_choices
 
-    from shardc.frontends import load_graph
-    from shardc.ir.contract import CHOICE_NAMES
-
-    graph = load_graph(model_file, tiny=True)
-    out = {"embedding": "vocab", "lm_head": "col"}
-    for k in graph.layer_kinds:
-        for op in k.ops:
-            if op.name in CHOICE_NAMES:
-                out[f"{k.name}.{op.name}"] = override.get(op.name, MEGATRON[op.name])
-    return out
+    return megatron_choices(model_file, override)
 
 
 @pytest.fixture(scope="module")

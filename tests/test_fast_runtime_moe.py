@@ -58,6 +58,22 @@ CASES.update(SP_CASES)
 MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col",
             "ffn2": "row", "shared_ffn1": "col", "shared_ffn2": "row", "router": "rep",
             "expert_ffn1": "col", "expert_ffn2": "row"}
+
+
+def megatron_choices(model_file: str, override: dict) -> dict:
+    """Every op of the tiny model's layer kinds at :data:`MEGATRON`'s choice, except the
+    ops ``override`` names (op -> choice); the embedding over the vocabulary, lm_head col."""
+    from shardc.frontends import load_graph
+    from shardc.ir.contract import CHOICE_NAMES
+
+    out = {"embedding": "vocab", "lm_head": "col"}
+    for k in load_graph(model_file, tiny=True).layer_kinds:
+        for op in k.ops:
+            if op.name in CHOICE_NAMES:
+                out[f"{k.name}.{op.name}"] = override.get(op.name, MEGATRON[op.name])
+    return out
+
+
 # name -> (examples/configs folder, choices other than MEGATRON's)
 FAMILIES = {
     "deepseek-v3 group-limited router col, score bias": ("deepseek_v3", {"router": "col"}),
@@ -107,21 +123,12 @@ def _family_case(name: str, folder: Path):
     """(model file, degrees, choices) of a config.json family's tiny variant."""
     from family_matrix import config_path
 
-    from shardc.frontends import load_graph
-    from shardc.ir.contract import CHOICE_NAMES
-
     config, override = FAMILIES[name]
     model_file = folder / f"tiny_{config}.py"
     model_file.write_text(BIASED.format(config=config, path=str(config_path(config)),
                                         tests=str(Path(__file__).resolve().parent)))
     model_file = str(model_file)
-    graph = load_graph(model_file, tiny=True)
-    choices = {"embedding": "vocab", "lm_head": "col"}
-    for k in graph.layer_kinds:
-        for op in k.ops:
-            if op.name in CHOICE_NAMES:
-                choices[f"{k.name}.{op.name}"] = override.get(op.name, MEGATRON[op.name])
-    return model_file, dict(EP_TP), choices
+    return model_file, dict(EP_TP), megatron_choices(model_file, override)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 NEW = 8
-MEGATRON = {"qkv": "col", "attn_core": "heads", "out_proj": "row", "ffn1": "col", "ffn2": "row"}
 # name -> (degrees, choices other than Megatron's); None: the plan shardc's search picks
 CASES = {
     "searched": None,
@@ -40,15 +39,9 @@ def model_file() -> str:
 
 
 def _choices(model_file: str, override: dict) -> dict:
-    from shardc.frontends import load_graph
-    from shardc.ir.contract import CHOICE_NAMES
+    from test_fast_runtime_moe import megatron_choices
 
-    out = {"embedding": "vocab", "lm_head": "col"}
-    for k in load_graph(model_file, tiny=True).layer_kinds:
-        for op in k.ops:
-            if op.name in CHOICE_NAMES:
-                out[f"{k.name}.{op.name}"] = override.get(op.name, MEGATRON[op.name])
-    return out
+    return megatron_choices(model_file, override)
 
 
 def _payload(model_file: str, case) -> dict:
