@@ -77,12 +77,19 @@ def decode_collectives_match(name: str, model_file: str, degrees: dict, choices:
     walks = plan_walks({str(o["name"]): str(o["choice"]) for o in plan.ops}, strategy.degrees)
     got = _decode_records(plan, walks, model_file, strategy, name)
     experts = int(graph.config.get("num_experts", 0) or 0)
-    moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
-    if strategy.degrees.ep > 1 and not strategy.degrees.experts_resplit:
-        for _ in range(moe_layers):  # (the all-gather dispatch exchanges no counts)
-            extra = ("all_to_all", "ep", experts * 8)
-            assert extra in got, (f"count exchange {extra} not issued", sorted(got))
-            got.remove(extra)
+    deg = strategy.degrees
+    extras = []
+    for k in graph.layer_kinds:
+        if k.op("expert_ffn1") is None:
+            continue
+        if deg.ep > 1 and not deg.experts_resplit:  # (the all-gather dispatch: no counts)
+            extras += [("all_to_all", "ep", experts * 8)] * k.count
+        if deg.sp > 1 and walks["kinds"][k.name]["experts"]["steps"][0][1] != "rep":
+            # the tp ranks' per-expert counts, all-gathered before their rows (E / ep int64)
+            extras += [("all_gather", "tp", experts // deg.ep * 8 * deg.tp)] * k.count
+    for extra in extras:
+        assert extra in got, (f"count exchange {extra} not issued", sorted(got))
+        got.remove(extra)
     assert got, name
     # the cost model names a tp all-to-all (S(0) <-> S(1)) by its full tensor's bytes, the
     # recorder by this rank's send buffer (1 / tp of it): compare in the cost model's unit

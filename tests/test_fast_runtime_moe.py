@@ -218,31 +218,6 @@ BYTES_DIFFER = {"mixtral tp4 sp experts row/col router row",
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in BYTES_DIFFER])
 def test_decode_step_collectives_are_the_cost_models(cases, name):
-    from test_backend_fake import assert_records_match
-    from test_fast_runtime_bytes import BATCH, _decode_records
-    from test_runtime_styles_bytes import charged
+    from test_fast_runtime_bytes import decode_collectives_match
 
-    from shardc.backends.runtime_walks import plan_walks
-    from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
-    from shardc.plan import build_plan
-
-    model_file, degrees, choices = cases[name]
-    graph = load_graph(model_file, tiny=True)
-    strategy = strategy_from_names(degrees, choices, BATCH)
-    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
-                      Workload(batch=BATCH, context=512))
-    walks = plan_walks({str(o["name"]): str(o["choice"]) for o in plan.ops}, strategy.degrees)
-    got = _decode_records(plan, walks, model_file, strategy, name)
-    experts = int(graph.config.get("num_experts", 0) or 0)
-    moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
-    deg = strategy.degrees
-    extras = [("all_to_all", "ep", experts * 8)] if deg.ep > 1 else []
-    if name in SP_CASES and walks["kinds"][M]["experts"]["steps"][0][1] != "rep":
-        # the tp ranks' per-expert counts, all-gathered before their rows (E / ep int64)
-        extras.append(("all_gather", "tp", experts // deg.ep * 8 * deg.tp))
-    for extra in extras * moe_layers:
-        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
-        got.remove(extra)
-    assert got, name
-    assert_records_match(got, charged(graph, strategy), name)
+    decode_collectives_match(name, *cases[name])

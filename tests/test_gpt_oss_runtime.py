@@ -156,33 +156,10 @@ def test_decode_step_collectives_are_the_cost_models(model_file, name):
     """As test_fast_runtime_moe's: the ep count exchange (``E`` int64 per MoE layer) and,
     under sequence parallelism, the tp ranks' per-expert counts (``E / ep`` int64 each,
     all-gathered) are the exempt extras; the biases and sinks add no collective."""
-    from test_backend_fake import assert_records_match
-    from test_fast_runtime_bytes import BATCH, _decode_records
-    from test_runtime_styles_bytes import charged
-
-    from shardc.backends.runtime_walks import plan_walks
-    from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
-    from shardc.plan import build_plan
+    from test_fast_runtime_bytes import decode_collectives_match
 
     degrees, override = PLAN_CASES[name]
-    graph = load_graph(model_file, tiny=True)
-    strategy = strategy_from_names(degrees, _choices(model_file, override), BATCH)
-    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
-                      Workload(batch=BATCH, context=512))
-    walks = plan_walks({str(o["name"]): str(o["choice"]) for o in plan.ops}, strategy.degrees)
-    got = _decode_records(plan, walks, model_file, strategy, name)
-    experts = int(graph.config.get("num_experts", 0) or 0)
-    moe_layers = sum(k.count for k in graph.layer_kinds if k.op("expert_ffn1") is not None)
-    deg = strategy.degrees
-    extras = [("all_to_all", "ep", experts * 8)] if deg.ep > 1 else []
-    if deg.sp > 1:
-        extras.append(("all_gather", "tp", experts // deg.ep * 8 * deg.tp))
-    for extra in extras * moe_layers:
-        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
-        got.remove(extra)
-    assert got, name
-    assert_records_match(got, charged(graph, strategy), name)
+    decode_collectives_match(name, model_file, degrees, _choices(model_file, override))
 
 
 @pytest.mark.parametrize("pair, degrees, runs", [
@@ -218,22 +195,7 @@ def test_model_forward_collectives_are_the_cost_models(model_file, name):
     DTensor placements, as ``shardc verify`` runs it) on 4 fake ranks issues the cost model's
     collectives plus test_runtime_styles_bytes' exempt extras, nothing for the sinks and
     biases (a row router's bias and the Partial expert bias add no collective)."""
-    from test_backend_fake import assert_records_match
-    from test_runtime_styles_bytes import BATCH, charged, exempt_extras, run_standalone_file
-
-    from shardc.frontends import load_graph
-    from shardc.ir.strategy import Mesh, Workload, strategy_from_names
-    from shardc.plan import build_plan
+    from test_runtime_styles_bytes import forward_collectives_match
 
     degrees, override = PLAN_CASES[name]
-    graph = load_graph(model_file, tiny=True)
-    strategy = strategy_from_names(degrees, _choices(model_file, override), BATCH)
-    plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
-                      Workload(batch=BATCH, context=512))
-    records, vocab = run_standalone_file(plan, model_file, strategy, name)
-    got = list(records)
-    for extra in exempt_extras(graph, strategy, vocab):
-        assert extra in got, (f"exempt extra {extra} not issued", sorted(got))
-        got.remove(extra)
-    assert got, name
-    assert_records_match(got, charged(graph, strategy), name)
+    forward_collectives_match(name, model_file, degrees, _choices(model_file, override))

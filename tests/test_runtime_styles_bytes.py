@@ -83,11 +83,17 @@ def exempt_extras(graph, strategy, vocab: int) -> list[tuple[str, str, int]]:
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_torch_style_collective_bytes_are_the_cost_models(name):
+    forward_collectives_match(name, *CASES[name])
+
+
+def forward_collectives_match(name: str, model_file: str, degrees: dict, choices: dict):
+    """Assert one forward of the plan's standalone file issues the cost model's collectives
+    plus :func:`exempt_extras`."""
+
     from shardc.frontends import load_graph
     from shardc.ir.strategy import Mesh, Workload, strategy_from_names
     from shardc.plan import build_plan
 
-    model_file, degrees, choices = CASES[name]
     graph = load_graph(model_file, tiny=True)
     strategy = strategy_from_names(degrees, choices, BATCH)
     plan = build_plan(graph, strategy, Mesh(strategy.degrees.world, 1), "h100",
