@@ -156,10 +156,9 @@ def dtensor_runs_split(tp: int, ep: int, moe_tp: int, moe_ep: int) -> bool:
     :mod:`shardc.runtime.gathered_experts`). plan.json ``backend``
     (:func:`shardc.backends.support.experts_split_problem`) and the dtensor search
     (:func:`searched_splits` with ``"dtensor"``, when
-    :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`) read it."""
-    mt, me = int(moe_tp), int(moe_ep)
-    return (mt, me) == (int(tp), int(ep)) or (mt >= 1 and me >= 1
-                                              and mt * me == int(tp) * int(ep))
+    :data:`DTENSOR_SEARCH_SWEEPS_RESPLITS`) read it. It runs every split plan.json places
+    (:func:`plan_places_split`)."""
+    return plan_places_split(tp, ep, moe_tp, moe_ep)
 
 
 def experts_split_ok(engine: str, tp: int, ep: int, moe_tp: int, moe_ep: int,
